@@ -1,0 +1,153 @@
+"""The reverse walk: which nodes need gradients, in which order, and how they add up.
+
+Only nodes that lie on a float path from a weight to the loss are differentiated. Every
+such node's rule is called once, in reverse topological order, with the summed gradients
+of its outputs; a value with several consumers gets one gradient (a ``Sum`` of the
+contributions). Integer and bool values never carry gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from . import registry
+from .errors import GradientRuleError, UnsupportedOpError
+from .registry import FLOAT_TYPES, Emitter
+
+
+def is_float(value: ir.Value) -> bool:
+    # An unknown dtype is treated as float: shape inference leaves few of those, and a
+    # rule sees the real tensor at run time.
+    return value.dtype is None or value.dtype in FLOAT_TYPES
+
+
+@dataclasses.dataclass
+class GradientResult:
+    grads: dict[str, ir.Value]  # weight name -> gradient value
+    unreached: list[str]  # weights that do not reach the loss (zero gradient)
+
+
+def _grad_name(value: ir.Value) -> str:
+    return f"{value.name}_grad"
+
+
+class _Accumulator:
+    """Collects gradient contributions per value and sums them on first read."""
+
+    def __init__(self, e: Emitter):
+        self.e = e
+        self.parts: dict[ir.Value, list[ir.Value]] = {}
+
+    def add(self, value: ir.Value, grad: ir.Value) -> None:
+        self.parts.setdefault(value, []).append(grad)
+
+    def take(self, value: ir.Value) -> ir.Value | None:
+        parts = self.parts.get(value)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            total = parts[0]
+        else:
+            total = self.e.op("Sum", *parts, name=_grad_name(value))
+        self.e._set(total, value.dtype, registry.dims_of(value))
+        self.parts[value] = [total]
+        return total
+
+
+def differentiate(
+    graph: ir.Graph,
+    weights: list[ir.Value],
+    loss: ir.Value,
+    opset: int,
+    e: Emitter,
+    stop_gradients: frozenset[ir.Value] = frozenset(),
+) -> GradientResult:
+    """Append to ``graph`` the nodes computing d(loss)/d(weight) for every weight."""
+    nodes = list(graph)
+
+    # 1. Forward: values that depend (through float values) on a weight.
+    reached: set[ir.Value] = set(weights)
+    for node in nodes:
+        if any(v in reached for v in node.inputs if v is not None):
+            for out in node.outputs:
+                if is_float(out) and out not in stop_gradients:
+                    reached.add(out)
+
+    # 2. Backward: nodes between the weights and the loss.
+    needed: set[ir.Value] = {loss} if loss in reached else set()
+    active: list[ir.Node] = []
+    for node in reversed(nodes):
+        if not any(o in needed for o in node.outputs):
+            continue
+        ins = [v for v in node.inputs if v is not None and v in reached]
+        if not ins:
+            continue
+        active.append(node)
+        needed.update(ins)
+
+    # 3. Seed and walk.
+    acc = _Accumulator(e)
+    if loss in reached:
+        acc.add(loss, e.ones_like(loss))
+    for node in active:
+        dys = [acc.take(o) if o in needed else None for o in node.outputs]
+        if all(d is None for d in dys):
+            continue
+        needs = [v is not None and v in needed for v in node.inputs]
+        grads = _call_rule(node, dys, needs, opset, e)
+        for value, grad, need in zip(node.inputs, grads, needs):
+            if need and grad is not None:
+                e._set(grad, value.dtype, registry.dims_of(value))
+                acc.add(value, grad)
+
+    result: dict[str, ir.Value] = {}
+    unreached: list[str] = []
+    for w in weights:
+        g = acc.take(w)
+        if g is None:
+            unreached.append(w.name)
+            g = e.zeros_like(w)
+        result[w.name] = g
+    return GradientResult(result, unreached)
+
+
+def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter) -> list:
+    entry = registry.lookup(node.domain, node.op_type, _node_opset(node, opset))
+    if entry is None:
+        supported = ", ".join(
+            f"{r.op_type}" if not r.domain else f"{r.domain}::{r.op_type}"
+            for r in registry.all_rules()
+        )
+        raise UnsupportedOpError(
+            f"no gradient rule for node '{node.name}' (op_type={node.op_type}, "
+            f"domain='{node.domain or 'ai.onnx'}', opset={_node_opset(node, opset)}); it lies on the "
+            f"path from the weights to the loss. Remove it from that path, mark its inputs as "
+            f"stop-gradient, or register a rule. Supported ops: {supported}"
+        )
+    e.scope = f"{node.name or node.op_type}/grad/"
+    try:
+        grads = list(entry.fn(node, dys, needs, e))
+    except (GradientRuleError, UnsupportedOpError) as exc:
+        raise type(exc)(f"node '{node.name}' (op_type={node.op_type}, opset={opset}): {exc}") from exc
+    finally:
+        e.scope = ""
+    if len(grads) > len(node.inputs):
+        raise GradientRuleError(
+            f"rule for {node.op_type} returned {len(grads)} gradients for {len(node.inputs)} inputs "
+            f"(node '{node.name}')"
+        )
+    grads += [None] * (len(node.inputs) - len(grads))
+    return grads
+
+
+def _node_opset(node: ir.Node, default: int) -> int:
+    graph = node.graph
+    while graph is not None and not isinstance(graph, ir.Graph):
+        graph = getattr(graph, "graph", None)
+    if graph is not None:
+        version = graph.opset_imports.get(node.domain or "")
+        if version is not None:
+            return version
+    return default

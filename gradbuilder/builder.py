@@ -1,0 +1,212 @@
+"""GradientGraphBuilder: load -> differentiate -> passes -> serialize."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Iterable
+
+import onnx
+import onnx_ir as ir
+
+from . import modelio
+from .autodiff import differentiate
+from .errors import InvalidArgumentError, OutputError
+from .passes.cleanup import remove_unused_nodes
+from .registry import FLOAT_TYPES, Emitter, dims_of
+
+KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
+
+
+class GradientGraphBuilder:
+    """Builds the gradient graph of ``loss`` with respect to ``weights``.
+
+    >>> b = GradientGraphBuilder(model, weights=["W", "B"], outputs=["loss"], loss="loss").build()
+    >>> b.save("model_with_grads.onnx")
+
+    ``model`` is bytes, a path or an ``onnx.ModelProto`` (never modified). The written graph
+    has the requested ``outputs`` first, then one output ``<weight>_grad`` per weight, same
+    shape and dtype as the weight. Trainable initializers also become graph inputs, the
+    initializer kept as their default value.
+    """
+
+    def __init__(
+        self,
+        model,
+        weights: Iterable[str] | None = None,
+        outputs: Iterable[str] | None = None,
+        loss: str | None = None,
+        *,
+        stop_gradients: Iterable[str] = (),
+    ):
+        if weights is None or loss is None:
+            raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
+        if isinstance(weights, str) or isinstance(outputs, str):
+            raise InvalidArgumentError(
+                f"weights and outputs are lists of names, not a single string: {KEYWORD_FORM}"
+            )
+        if not isinstance(loss, str):
+            raise InvalidArgumentError(f"loss is the name of one value, got {loss!r}: {KEYWORD_FORM}")
+        self._source = model
+        self.weights = list(weights)
+        self.outputs = list(outputs) if outputs is not None else [loss]
+        self.loss = loss
+        self.stop_gradients = list(stop_gradients)
+        self.unreached_weights: list[str] = []
+        self.timings: dict[str, float] = {}
+        self._proto: onnx.ModelProto | None = None
+
+    # ----------------------------------------------------------------------------- build
+    def build(self) -> "GradientGraphBuilder":
+        t0 = time.perf_counter()
+        proto = modelio.normalize(modelio.load_proto(self._source))
+        model = modelio.to_ir(proto)
+        del proto
+        t1 = time.perf_counter()
+        graph = model.graph
+        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx")
+        values = _values_by_name(graph)
+        weights, outputs, loss = self._resolve(graph, values)
+        stops = frozenset(values[n] for n in self._names_exist(self.stop_gradients, values, "stop_gradients"))
+
+        e = Emitter(graph, opset)
+        result = differentiate(graph, weights, loss, opset, e, stop_gradients=stops)
+        if result.unreached:
+            self.unreached_weights = result.unreached
+            warnings.warn(
+                "these weights do not reach the loss and get a zero gradient: "
+                + ", ".join(result.unreached),
+                stacklevel=2,
+            )
+        grad_outputs = _name_gradients(graph, e, weights, result.grads)
+        for w in weights:
+            if w.is_initializer() and not w.is_graph_input():
+                graph.inputs.append(w)
+        graph.outputs.clear()
+        graph.outputs.extend(outputs + grad_outputs)
+        remove_unused_nodes(model)
+        t2 = time.perf_counter()
+        out = ir.to_proto(model)
+        modelio.check(out)
+        self._proto = out
+        t3 = time.perf_counter()
+        self.timings = {"load": t1 - t0, "differentiate": t2 - t1, "serialize": t3 - t2}
+        return self
+
+    def _names_exist(self, names, values, what):
+        for n in names:
+            if n not in values:
+                raise InvalidArgumentError(f"{what}: no value named '{n}' in the model")
+        return names
+
+    def _resolve(self, graph: ir.Graph, values: dict[str, ir.Value]):
+        produced = {n: v for n, v in values.items() if v.producer() is not None}
+        initializers = set(graph.initializers)
+        looks_swapped = (
+            any(n in produced or n == self.loss for n in self.weights)
+            and any(n in initializers for n in self.outputs)
+        )
+        if looks_swapped:
+            raise InvalidArgumentError(
+                "the weights and outputs look swapped: weights "
+                f"{self.weights} holds values computed by the model and outputs {self.outputs} holds "
+                "initializers. gradbuilder takes (model, weights, outputs, loss), onnxruntime-training "
+                f"(model, outputs, weights, loss); use the keyword form: {KEYWORD_FORM}"
+            )
+        if not self.weights:
+            raise InvalidArgumentError("weights is empty: name at least one initializer or graph input")
+        if len(set(self.weights)) != len(self.weights):
+            raise InvalidArgumentError(f"weights lists a name twice: {self.weights}")
+        self._names_exist(self.weights, values, "weights")
+        self._names_exist(self.outputs, values, "outputs")
+        self._names_exist([self.loss], values, "loss")
+        weights = []
+        for name in self.weights:
+            v = values[name]
+            if name in produced:
+                raise InvalidArgumentError(
+                    f"weight '{name}' is computed by node '{v.producer().name}' "
+                    f"({v.producer().op_type}); weights must be initializers or graph inputs"
+                )
+            if v.dtype not in FLOAT_TYPES:
+                raise InvalidArgumentError(
+                    f"weight '{name}' has type {v.dtype.name if v.dtype else 'unknown'}; only float16, "
+                    "bfloat16, float32 and float64 tensors can be differentiated"
+                )
+            weights.append(v)
+        loss = values[self.loss]
+        if loss.dtype not in FLOAT_TYPES:
+            raise InvalidArgumentError(
+                f"loss '{self.loss}' has type {loss.dtype.name if loss.dtype else 'unknown'}; the loss "
+                "must be a float scalar"
+            )
+        dims = dims_of(loss)
+        if dims is None or any(d != 1 for d in dims):
+            raise InvalidArgumentError(
+                f"loss '{self.loss}' has shape {list(dims) if dims is not None else 'unknown'}; the loss "
+                "must be a scalar (shape [] or all ones). Reduce it first, e.g. with ReduceMean"
+            )
+        outputs = [values[n] for n in self.outputs]
+        return weights, outputs, loss
+
+    # ----------------------------------------------------------------------------- results
+    @property
+    def model_proto(self) -> onnx.ModelProto:
+        if self._proto is None:
+            raise OutputError("call build() first")
+        return self._proto
+
+    def get_model(self) -> bytes:
+        proto = self.model_proto
+        if proto.ByteSize() >= modelio.TWO_GB:
+            raise OutputError("the model is over 2 GB and cannot be one byte string; use save(path)")
+        return proto.SerializeToString()
+
+    def save(self, path: str | os.PathLike) -> str:
+        modelio.save_atomic(self.model_proto, path)
+        return str(path)
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    values: dict[str, ir.Value] = {}
+    for v in graph.inputs:
+        values[v.name] = v
+    for name, v in graph.initializers.items():
+        values[name] = v
+    for node in graph:
+        for o in node.outputs:
+            if o.name:
+                values[o.name] = o
+    return values
+
+
+def _name_gradients(graph: ir.Graph, e: Emitter, weights, grads) -> list[ir.Value]:
+    """Give each weight's gradient the output name ``<weight>_grad``."""
+    ours = {id(n) for n in e.nodes}
+    taken: set[ir.Value] = set()
+    outputs = []
+    existing = _values_by_name(graph)
+    for w in weights:
+        g = grads[w.name]
+        name = f"{w.name}_grad"
+        clash = existing.get(name)
+        if clash is not None and clash is not g:
+            if clash.producer() is not None and id(clash.producer()) in ours:
+                clash.name = e.unique(name + "_part")
+            else:
+                raise InvalidArgumentError(
+                    f"the model already has a value named '{name}', the name of weight '{w.name}'s "
+                    "gradient output; rename that value"
+                )
+        producer = g.producer()
+        own = producer is not None and id(producer) in ours and producer.op_type != "Constant"
+        if not own or g in taken or g.is_graph_output():
+            g = e.op("Identity", g)
+        g.name = name
+        e._used.add(name)
+        g.dtype = w.dtype
+        g.shape = ir.Shape(list(w.shape)) if w.shape is not None else None
+        taken.add(g)
+        outputs.append(g)
+    return outputs

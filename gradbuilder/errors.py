@@ -1,0 +1,33 @@
+"""One exception hierarchy for everything gradbuilder refuses to do.
+
+Every message names what was involved (node, op type, domain, opset, value) and what
+the user can do about it.
+"""
+
+
+class GradBuilderError(Exception):
+    """Root of every error raised by gradbuilder."""
+
+
+class ModelLoadError(GradBuilderError):
+    """The model could not be read: missing file, malformed bytes, unsupported opset."""
+
+
+class InvalidModelError(GradBuilderError):
+    """The model was read but does not type-check or is otherwise inconsistent."""
+
+
+class InvalidArgumentError(GradBuilderError, ValueError):
+    """A name or option given by the caller does not fit the model."""
+
+
+class UnsupportedOpError(GradBuilderError):
+    """A node on the path from the weights to the loss has no gradient rule."""
+
+
+class GradientRuleError(GradBuilderError):
+    """A gradient rule failed or returned something malformed."""
+
+
+class OutputError(GradBuilderError):
+    """The result could not be serialized or written."""

@@ -1,0 +1,1 @@
+"""Graph transforms, one module each; every pass is a function Model -> Model."""

@@ -1,0 +1,367 @@
+"""Numerical gradient checking: built gradients against float64 finite differences.
+
+``gradcheck`` converts the model to float64, builds its gradient graph, evaluates it with
+onnx's reference evaluator and compares every weight's gradient with central finite
+differences of the loss (on sampled elements and random directions).
+
+``check_op`` wraps one operator in a model whose loss is a fixed random projection of
+every float output, and gradchecks it; it also runs the float32 gradient graph on
+onnxruntime, so a rule is known to emit graphs the stock runtime loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from . import modelio
+from .builder import GradientGraphBuilder
+from .errors import InvalidArgumentError
+
+_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+
+
+# ----------------------------------------------------------------------------- float64
+
+
+def _retype(type_proto: onnx.TypeProto) -> None:
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type" and type_proto.tensor_type.elem_type in _FLOATS:
+        type_proto.tensor_type.elem_type = TensorProto.DOUBLE
+    elif kind == "sequence_type":
+        _retype(type_proto.sequence_type.elem_type)
+    elif kind == "optional_type":
+        _retype(type_proto.optional_type.elem_type)
+
+
+def _tensor64(t: onnx.TensorProto) -> onnx.TensorProto:
+    if t.data_type not in _FLOATS or t.data_type == TensorProto.DOUBLE:
+        return t
+    arr = numpy_helper.to_array(t).astype(np.float64)
+    return numpy_helper.from_array(arr, t.name)
+
+
+_DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
+                "RandomNormalLike": "dtype", "RandomUniformLike": "dtype", "Bernoulli": "dtype",
+                "Multinomial": "dtype"}
+
+
+def _graph64(graph: onnx.GraphProto) -> None:
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        _retype(vi.type)
+    for i, t in enumerate(graph.initializer):
+        graph.initializer[i].CopyFrom(_tensor64(t))
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                a.t.CopyFrom(_tensor64(a.t))
+            elif a.type == onnx.AttributeProto.GRAPH:
+                _graph64(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    _graph64(g)
+            elif a.name == _DTYPE_ATTRS.get(node.op_type) and a.i in _FLOATS:
+                a.i = TensorProto.DOUBLE
+        if node.op_type == "Constant":
+            for a in list(node.attribute):
+                if a.name in ("value_float", "value_floats"):
+                    vals = np.array(a.f if a.name == "value_float" else list(a.floats), dtype=np.float64)
+                    node.attribute.remove(a)
+                    node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(vals)))
+
+
+def to_float64(model) -> onnx.ModelProto:
+    """A copy of ``model`` with every float16/bfloat16/float32 tensor made float64."""
+    proto = modelio.load_proto(model)
+    del proto.graph.value_info[:]
+    _graph64(proto.graph)
+    return proto
+
+
+# ----------------------------------------------------------------------------- gradcheck
+
+
+@dataclasses.dataclass
+class WeightCheck:
+    name: str
+    checked: int
+    max_abs_err: float
+    max_rel_err: float
+    passed: bool
+
+
+@dataclasses.dataclass
+class GradcheckReport:
+    weights: list[WeightCheck]
+    loss: float
+    gradients: dict[str, np.ndarray]
+
+    @property
+    def passed(self) -> bool:
+        return all(w.passed for w in self.weights)
+
+    def __str__(self) -> str:
+        lines = [f"gradcheck loss={self.loss:.6g}: {'PASS' if self.passed else 'FAIL'}"]
+        for w in self.weights:
+            lines.append(
+                f"  {w.name:30s} checked={w.checked:4d} max_abs={w.max_abs_err:.3g} "
+                f"max_rel={w.max_rel_err:.3g} {'ok' if w.passed else 'MISMATCH'}"
+            )
+        return "\n".join(lines)
+
+
+def _evaluator(proto: onnx.ModelProto):
+    from onnx.reference import ReferenceEvaluator
+
+    return ReferenceEvaluator(proto)
+
+
+def _forward_model(proto: onnx.ModelProto, weights: Sequence[str], loss: str) -> onnx.ModelProto:
+    """``proto`` with ``weights`` as graph inputs and ``loss`` as the only output."""
+    fwd = onnx.ModelProto()
+    fwd.CopyFrom(proto)
+    inferred = onnx.shape_inference.infer_shapes(fwd)
+    vi = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output)
+          + list(inferred.graph.input)}
+    inputs = {i.name for i in fwd.graph.input}
+    for t in fwd.graph.initializer:
+        if t.name in weights and t.name not in inputs:
+            fwd.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    del fwd.graph.output[:]
+    if loss in vi:
+        fwd.graph.output.append(vi[loss])
+    else:
+        fwd.graph.output.append(helper.make_empty_tensor_value_info(loss))
+    return fwd
+
+
+def _weight_values(proto: onnx.ModelProto, weights, feeds) -> dict[str, np.ndarray]:
+    inits = {t.name: t for t in proto.graph.initializer}
+    out = {}
+    for w in weights:
+        if w in feeds:
+            out[w] = np.asarray(feeds[w], dtype=np.float64)
+        elif w in inits:
+            out[w] = numpy_helper.to_array(inits[w]).astype(np.float64)
+        else:
+            raise InvalidArgumentError(f"gradcheck: weight '{w}' is a graph input; give its value in inputs")
+    return out
+
+
+def gradcheck(
+    model,
+    weights: Sequence[str],
+    loss: str,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    *,
+    eps: float = 1e-6,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    max_elements: int = 24,
+    directions: int = 2,
+    seed: int = 0,
+) -> GradcheckReport:
+    """Compare the built gradients of ``loss`` w.r.t. ``weights`` with finite differences.
+
+    Everything runs in float64 on onnx's reference evaluator. Each weight is checked on up to
+    ``max_elements`` sampled elements plus ``directions`` random directional derivatives.
+    An element passes when ``|analytic - numeric| <= atol + rtol * |numeric|``.
+    """
+    rng = np.random.default_rng(seed)
+    proto = to_float64(model)
+    graph_inputs = {i.name for i in proto.graph.input}
+    init_names = {t.name for t in proto.graph.initializer}
+    feeds64 = {}
+    for k, v in (inputs or {}).items():
+        arr = np.asarray(v)
+        feeds64[k] = arr.astype(np.float64) if arr.dtype.kind == "f" else arr
+    missing = [n for n in graph_inputs - init_names - set(feeds64)]
+    if missing:
+        raise InvalidArgumentError(f"gradcheck: give values for the graph inputs {sorted(missing)}")
+    wvals = _weight_values(proto, weights, feeds64)
+
+    built = GradientGraphBuilder(proto, weights=list(weights), outputs=[loss], loss=loss).build().model_proto
+    grad_eval = _evaluator(built)
+    res = grad_eval.run(None, {**feeds64, **wvals})
+    names = [o.name for o in built.graph.output]
+    got = dict(zip(names, res))
+    grads = {w: np.asarray(got[f"{w}_grad"], dtype=np.float64) for w in weights}
+
+    fwd_eval = _evaluator(_forward_model(proto, weights, loss))
+
+    def f(wname, value):
+        feed = {**feeds64, **wvals, wname: value}
+        return float(np.asarray(fwd_eval.run(None, feed)[0]).reshape(-1)[0])
+
+    checks = []
+    for w in weights:
+        base = wvals[w]
+        g = grads[w]
+        if g.shape != base.shape:
+            checks.append(WeightCheck(w, 0, float("inf"), float("inf"), False))
+            continue
+        flat = base.reshape(-1)
+        idx = np.arange(flat.size) if flat.size <= max_elements else rng.choice(flat.size, max_elements, replace=False)
+        pairs = []
+        for i in idx:
+            plus, minus = flat.copy(), flat.copy()
+            plus[i] += eps
+            minus[i] -= eps
+            num = (f(w, plus.reshape(base.shape)) - f(w, minus.reshape(base.shape))) / (2 * eps)
+            pairs.append((float(g.reshape(-1)[i]), num))
+        for _ in range(directions if flat.size > 1 else 0):
+            d = rng.standard_normal(base.shape)
+            d /= np.linalg.norm(d)
+            num = (f(w, base + eps * d) - f(w, base - eps * d)) / (2 * eps)
+            pairs.append((float(np.sum(g * d)), num))
+        a = np.array([p[0] for p in pairs])
+        n = np.array([p[1] for p in pairs])
+        err = np.abs(a - n)
+        ok = bool(np.all(err <= atol + rtol * np.abs(n))) and bool(np.all(np.isfinite(a)))
+        rel = err / np.maximum(np.abs(n), 1e-12)
+        checks.append(WeightCheck(w, len(pairs), float(err.max(initial=0)), float(rel.max(initial=0)), ok))
+    loss_value = float(np.asarray(got[loss]).reshape(-1)[0]) if loss in got else float("nan")
+    return GradcheckReport(checks, loss_value, grads)
+
+
+# ----------------------------------------------------------------------------- single op
+
+
+_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE,
+               np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.int64): TensorProto.INT64,
+               np.dtype(np.int32): TensorProto.INT32, np.dtype(np.bool_): TensorProto.BOOL}
+
+
+def _onnx_type(arr: np.ndarray) -> int:
+    return _NP_TO_ONNX[np.asarray(arr).dtype]
+
+
+def make_op_model(
+    op_type: str,
+    inputs: Sequence[tuple[str, np.ndarray | None]],
+    attrs: Mapping | None = None,
+    *,
+    num_outputs: int = 1,
+    opset: int = 17,
+    domain: str = "",
+    wrt: Sequence[str] | None = None,
+    weights_as: str = "initializers",
+    dims: str = "static",
+    seed: int = 1234,
+) -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
+    """One ``op_type`` node whose loss is a fixed random projection of every float output.
+
+    ``inputs`` is a list of (name, array) — None or "" name for a skipped optional input.
+    Float inputs (or only ``wrt``) are the weights: initializers, or graph inputs when
+    ``weights_as="inputs"`` (their dims then "static", "symbolic" or "dynamic"). Returns
+    (model, weights, feeds).
+    """
+    rng = np.random.default_rng(seed)
+    node_inputs, graph_inputs, inits, feeds, weights = [], [], [], {}, []
+    for name, arr in inputs:
+        if not name or arr is None:
+            node_inputs.append("")
+            continue
+        node_inputs.append(name)
+        arr = np.asarray(arr)
+        is_weight = (arr.dtype.kind == "f") if wrt is None else (name in wrt)
+        if is_weight:
+            weights.append(name)
+        if is_weight and weights_as == "inputs":
+            shape = {"static": list(arr.shape),
+                     "symbolic": [f"{name}_d{i}" if d != 1 else 1 for i, d in enumerate(arr.shape)],
+                     "dynamic": [None] * arr.ndim}[dims]
+            graph_inputs.append(helper.make_tensor_value_info(name, _onnx_type(arr), shape))
+            feeds[name] = arr
+        else:
+            inits.append(numpy_helper.from_array(arr, name))
+    outs = [f"y{i}" for i in range(num_outputs)]
+    node = helper.make_node(op_type, node_inputs, outs, domain=domain, **dict(attrs or {}))
+    opsets = [helper.make_opsetid("", opset)]
+    if domain:
+        opsets.append(helper.make_opsetid(domain, 1))
+    probe = helper.make_model(
+        helper.make_graph([node], "probe", graph_inputs, [helper.make_empty_tensor_value_info(o) for o in outs], inits),
+        opset_imports=opsets,
+    )
+    from onnx.reference import ReferenceEvaluator
+
+    values = ReferenceEvaluator(probe).run(None, feeds)
+    nodes = [node]
+    terms = []
+    for o, v in zip(outs, values):
+        v = np.asarray(v)
+        if v.dtype.kind != "f":
+            continue
+        proj = rng.standard_normal(v.shape).astype(v.dtype)
+        pname = f"{o}_proj"
+        inits.append(numpy_helper.from_array(proj, pname))
+        nodes.append(helper.make_node("Mul", [o, pname], [f"{o}_m"]))
+        nodes.append(helper.make_node("ReduceSum", [f"{o}_m"], [f"{o}_s"], keepdims=0))
+        terms.append(f"{o}_s")
+    if not terms:
+        raise InvalidArgumentError(f"{op_type} has no float output to build a loss from")
+    nodes.append(helper.make_node("Sum", terms, ["loss"]) if len(terms) > 1 else helper.make_node("Identity", terms, ["loss"]))
+    ltype = _onnx_type(np.asarray(values[0]) if np.asarray(values[0]).dtype.kind == "f" else np.float32(0))
+    model = helper.make_model(
+        helper.make_graph(nodes, op_type.lower(), graph_inputs,
+                          [helper.make_tensor_value_info("loss", ltype, [])], inits),
+        opset_imports=opsets,
+    )
+    model.ir_version = min(model.ir_version, 10)
+    return model, weights, feeds
+
+
+def check_op(
+    op_type: str,
+    inputs: Sequence[tuple[str, np.ndarray | None]],
+    attrs: Mapping | None = None,
+    *,
+    num_outputs: int = 1,
+    opset: int = 17,
+    domain: str = "",
+    wrt: Sequence[str] | None = None,
+    weights_as: str = "initializers",
+    dims: str = "static",
+    ort: bool = True,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    ort_rtol: float = 2e-3,
+    ort_atol: float = 2e-4,
+    **gradcheck_kwargs,
+) -> GradcheckReport:
+    """Gradcheck one operator; raise AssertionError with the report when it does not match.
+
+    With ``ort=True`` the float32 gradient graph also runs on onnxruntime's CPU provider and
+    must agree with the float64 gradients.
+    """
+    model, weights, feeds = make_op_model(
+        op_type, inputs, attrs, num_outputs=num_outputs, opset=opset, domain=domain, wrt=wrt,
+        weights_as=weights_as, dims=dims,
+    )
+    report = gradcheck(model, weights, "loss", feeds, rtol=rtol, atol=atol, **gradcheck_kwargs)
+    if not report.passed:
+        raise AssertionError(f"{op_type} opset {opset} {dict(attrs or {})}:\n{report}")
+    if ort:
+        import onnxruntime as ort_
+
+        m32 = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
+        so = ort_.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort_.InferenceSession(m32, so, providers=["CPUExecutionProvider"])
+        run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
+        got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
+        for w in weights:
+            ref = report.gradients[w]
+            g = np.asarray(got[f"{w}_grad"], dtype=np.float64)
+            scale = max(1.0, float(np.abs(ref).max(initial=0)))
+            if g.shape != ref.shape or not np.allclose(g, ref, rtol=ort_rtol, atol=ort_atol * scale):
+                raise AssertionError(
+                    f"{op_type} opset {opset}: onnxruntime gradient of '{w}' differs from float64: "
+                    f"max abs diff {np.abs(g - ref).max() if g.shape == ref.shape else 'shape ' + str(g.shape)}"
+                )
+    return report

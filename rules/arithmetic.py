@@ -1,0 +1,150 @@
+"""Elementwise arithmetic: Add Sub Mul Div Neg Pow Sqrt Reciprocal Exp Log Abs Sum Mean Min Max
+Identity Cast CastLike Where."""
+
+from gradbuilder.registry import register
+
+
+@register("Add")
+def add(n, dys, needs, e):
+    x, y = n.inputs
+    (dy,) = dys
+    return e.unbroadcast(dy, x), e.unbroadcast(dy, y)
+
+
+@register("Sub")
+def sub(n, dys, needs, e):
+    x, y = n.inputs
+    (dy,) = dys
+    return e.unbroadcast(dy, x), e.unbroadcast(e.Neg(dy), y) if needs[1] else None
+
+
+@register("Mul")
+def mul(n, dys, needs, e):
+    x, y = n.inputs
+    (dy,) = dys
+    return (
+        e.unbroadcast(e.Mul(dy, y), x) if needs[0] else None,
+        e.unbroadcast(e.Mul(dy, x), y) if needs[1] else None,
+    )
+
+
+@register("Div")
+def div(n, dys, needs, e):
+    """d(x/y) = dy/y, -dy*x/y^2 = -dy*z/y"""
+    x, y = n.inputs
+    (z,) = n.outputs
+    (dy,) = dys
+    dx = e.Div(dy, y)
+    return (
+        e.unbroadcast(dx, x) if needs[0] else None,
+        e.unbroadcast(e.Neg(e.Mul(dx, z)), y) if needs[1] else None,
+    )
+
+
+@register("Neg")
+def neg(n, dys, needs, e):
+    return (e.Neg(dys[0]),)
+
+
+@register("Identity")
+def identity(n, dys, needs, e):
+    return (dys[0],)
+
+
+@register("Pow")
+def pow_(n, dys, needs, e):
+    """d(x^y) = y*x^(y-1) dx + x^y*log(x) dy"""
+    x, y = n.inputs
+    (z,) = n.outputs
+    (dy,) = dys
+    dx = dyy = None
+    if needs[0]:
+        yx = e.CastLike(y, x) if y.dtype != x.dtype else y
+        dx = e.unbroadcast(e.Mul(dy, e.Mul(yx, e.Pow(x, e.Sub(yx, e.scalar(1.0, yx))))), x)
+    if needs[1]:
+        xy = e.CastLike(x, y) if y.dtype != x.dtype else x
+        zy = e.CastLike(z, y) if y.dtype != z.dtype else z
+        dyy = e.unbroadcast(e.Mul(e.CastLike(dy, y) if y.dtype != x.dtype else dy, e.Mul(zy, e.Log(xy))), y)
+    return dx, dyy
+
+
+@register("Sqrt")
+def sqrt(n, dys, needs, e):
+    """d sqrt(x) = dy / (2 sqrt(x))"""
+    (z,) = n.outputs
+    return (e.Div(dys[0], e.Mul(e.scalar(2.0, z), z)),)
+
+
+@register("Reciprocal")
+def reciprocal(n, dys, needs, e):
+    """d(1/x) = -dy / x^2 = -dy * z^2"""
+    (z,) = n.outputs
+    return (e.Neg(e.Mul(dys[0], e.Mul(z, z))),)
+
+
+@register("Exp")
+def exp(n, dys, needs, e):
+    return (e.Mul(dys[0], n.outputs[0]),)
+
+
+@register("Log")
+def log(n, dys, needs, e):
+    return (e.Div(dys[0], n.inputs[0]),)
+
+
+@register("Abs")
+def abs_(n, dys, needs, e):
+    return (e.Mul(dys[0], e.Sign(n.inputs[0])),)
+
+
+@register("Sum")
+def sum_(n, dys, needs, e):
+    return [e.unbroadcast(dys[0], x) if need else None for x, need in zip(n.inputs, needs)]
+
+
+@register("Mean")
+def mean(n, dys, needs, e):
+    dy = e.Div(dys[0], e.scalar(float(len(n.inputs)), n.outputs[0]))
+    return [e.unbroadcast(dy, x) if need else None for x, need in zip(n.inputs, needs)]
+
+
+def _select_extreme(n, dys, needs, e):
+    """Min/Max: the gradient goes to the inputs equal to the result, split evenly on ties."""
+    (z,) = n.outputs
+    (dy,) = dys
+    masks = [e.CastLike(e.Equal(x, z), z) for x in n.inputs]
+    count = masks[0] if len(masks) == 1 else e.Sum(*masks)
+    share = e.Div(dy, count)
+    return [
+        e.unbroadcast(e.Mul(share, m), x) if need else None
+        for x, m, need in zip(n.inputs, masks, needs)
+    ]
+
+
+register("Max")(_select_extreme)
+register("Min")(_select_extreme)
+
+
+@register("Cast")
+def cast(n, dys, needs, e):
+    """A cast back to the input's type; no gradient into integer inputs."""
+    (x,) = n.inputs
+    return (e.Cast(dys[0], to=int(x.dtype)) if x.dtype is not None else e.CastLike(dys[0], x),)
+
+
+@register("CastLike")
+def cast_like(n, dys, needs, e):
+    (x, _) = n.inputs
+    return e.CastLike(dys[0], x), None
+
+
+@register("Where")
+def where(n, dys, needs, e):
+    c, x, y = n.inputs
+    (dy,) = dys
+    zero = e.scalar(0.0, dy)
+    return (
+        None,
+        e.unbroadcast(e.Where(c, dy, zero), x) if needs[1] else None,
+        e.unbroadcast(e.Where(c, zero, dy), y) if needs[2] else None,
+    )
