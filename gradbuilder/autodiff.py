@@ -116,12 +116,11 @@ def differentiate(
 def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter) -> list:
     entry = registry.lookup(node.domain, node.op_type, _node_opset(node, opset))
     if entry is None:
-        supported = ", ".join(
-            f"{r.op_type}" if not r.domain else f"{r.domain}::{r.op_type}"
-            for r in registry.all_rules()
-        )
+        supported = ", ".join(sorted(
+            {r.op_type if not r.domain else f"{r.domain}::{r.op_type}" for r in registry.all_rules()}
+        ))
         raise UnsupportedOpError(
-            f"no gradient rule for node '{node.name}' (op_type={node.op_type}, "
+            f"no gradient rule for node {node_label(node)} (op_type={node.op_type}, "
             f"domain='{node.domain or 'ai.onnx'}', opset={_node_opset(node, opset)}); it lies on the "
             f"path from the weights to the loss. Remove it from that path, mark its inputs as "
             f"stop-gradient, or register a rule. Supported ops: {supported}"
@@ -130,16 +129,24 @@ def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter) -> list:
     try:
         grads = list(entry.fn(node, dys, needs, e))
     except (GradientRuleError, UnsupportedOpError) as exc:
-        raise type(exc)(f"node '{node.name}' (op_type={node.op_type}, opset={opset}): {exc}") from exc
+        raise type(exc)(f"node {node_label(node)} (op_type={node.op_type}, domain='{node.domain or 'ai.onnx'}', "
+                        f"opset={opset}): {exc}") from exc
     finally:
         e.scope = ""
     if len(grads) > len(node.inputs):
         raise GradientRuleError(
             f"rule for {node.op_type} returned {len(grads)} gradients for {len(node.inputs)} inputs "
-            f"(node '{node.name}')"
+            f"(node {node_label(node)})"
         )
     grads += [None] * (len(node.inputs) - len(grads))
     return grads
+
+
+def node_label(node: ir.Node) -> str:
+    if node.name:
+        return f"'{node.name}'"
+    first = node.outputs[0].name if node.outputs else "?"
+    return f"<unnamed, output '{first}'>"
 
 
 def _node_opset(node: ir.Node, default: int) -> int:

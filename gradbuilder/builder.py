@@ -210,3 +210,10 @@ def _name_gradients(graph: ir.Graph, e: Emitter, weights, grads) -> list[ir.Valu
         taken.add(g)
         outputs.append(g)
     return outputs
+
+
+def float_initializers(model) -> list[str]:
+    """Names of the float initializers of ``model`` (the default set of weights)."""
+    proto = modelio.load_proto(model)
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    return [t.name for t in proto.graph.initializer if t.data_type in floats]

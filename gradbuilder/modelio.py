@@ -115,8 +115,9 @@ def save_atomic(proto: onnx.ModelProto, path: str | os.PathLike, external_data: 
             copy = onnx.ModelProto()
             copy.CopyFrom(proto)  # save_model rewrites tensors to point at the data file
             onnx.save_model(copy, str(tmp_model), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-            os.replace(Path(tmpdir) / data_name, directory / data_name)
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=0)
+            if (Path(tmpdir) / data_name).exists():
+                os.replace(Path(tmpdir) / data_name, directory / data_name)
         else:
             with open(tmp_model, "wb") as f:
                 f.write(proto.SerializeToString())

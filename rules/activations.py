@@ -1,0 +1,257 @@
+"""Elementwise activations and friends: Tanh Sigmoid Relu LeakyRelu Elu Selu Gelu Erf Softplus
+Softsign HardSigmoid HardSwish Clip Dropout CumSum Trilu.
+
+Each rule is ``dx = dy * f'(x)``, written with the forward output ``y`` where that is cheaper
+(``tanh' = 1 - y^2``). Piecewise ops pick their branch with a mask; at a kink the branch
+follows PyTorch's convention.
+"""
+
+import math
+
+import onnx_ir as ir
+
+from gradbuilder.registry import attr, constant_of, register
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _input(n, i):
+    """Input ``i`` of ``n``, or None when it is absent (omitted or "")."""
+    return n.inputs[i] if len(n.inputs) > i else None
+
+
+def _output(n, i):
+    """Output ``i`` of ``n``, or None when the node does not produce it."""
+    return n.outputs[i] if len(n.outputs) > i and n.outputs[i].name else None
+
+
+def _where(e, cond, a, b):
+    """``Where(cond, a, b)``. Where takes bfloat16 only from opset 16; before, blend with a
+    0/1 mask instead."""
+    if e.opset >= 16 or ir.DataType.BFLOAT16 not in (a.dtype, b.dtype):
+        return e.Where(cond, a, b)
+    m = e.CastLike(cond, a)
+    return e.Add(e.Mul(m, a), e.Mul(e.Sub(e.scalar(1.0, a), m), b))
+
+
+def _keep(e, cond, v):
+    """``v`` where ``cond``, else 0."""
+    return _where(e, cond, v, e.scalar(0.0, v))
+
+
+def _c(e, value, like):
+    return e.scalar(value, like=like)
+
+
+# ----------------------------------------------------------------------------- smooth
+
+
+@register("Tanh")
+def tanh(n, dys, needs, e):
+    """dx = dy * (1 - y^2)"""
+    (y,) = n.outputs
+    return (e.Mul(dys[0], e.Sub(_c(e, 1.0, y), e.Mul(y, y))),)
+
+
+@register("Sigmoid")
+def sigmoid(n, dys, needs, e):
+    """dx = dy * y * (1 - y)"""
+    (y,) = n.outputs
+    return (e.Mul(dys[0], e.Mul(y, e.Sub(_c(e, 1.0, y), y))),)
+
+
+@register("Erf")
+def erf(n, dys, needs, e):
+    """dx = dy * 2/sqrt(pi) * exp(-x^2)"""
+    (x,) = n.inputs
+    return (e.Mul(dys[0], e.Mul(_c(e, 2.0 / math.sqrt(math.pi), x), e.Exp(e.Neg(e.Mul(x, x))))),)
+
+
+@register("Softplus")
+def softplus(n, dys, needs, e):
+    """y = log(1 + exp(x)):  dx = dy * sigmoid(x)"""
+    (x,) = n.inputs
+    return (e.Mul(dys[0], e.Sigmoid(x)),)
+
+
+@register("Softsign")
+def softsign(n, dys, needs, e):
+    """y = x / (1 + |x|):  dx = dy / (1 + |x|)^2"""
+    (x,) = n.inputs
+    d = e.Add(_c(e, 1.0, x), e.Abs(x))
+    return (e.Div(dys[0], e.Mul(d, d)),)
+
+
+@register("Gelu")
+def gelu(n, dys, needs, e):
+    """approximate="none":  y = x Phi(x),  dx = dy * (Phi(x) + x phi(x)),
+    Phi(x) = (1 + erf(x/sqrt 2))/2, phi(x) = exp(-x^2/2)/sqrt(2 pi).
+
+    approximate="tanh":  y = x (1 + t)/2, t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3),
+    dx = dy * ((1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2)).
+    """
+    (x,) = n.inputs
+    half, one = _c(e, 0.5, x), _c(e, 1.0, x)
+    x2 = e.Mul(x, x)
+    if attr(n, "approximate", "none") == "tanh":
+        k, a = math.sqrt(2.0 / math.pi), 0.044715
+        t = e.Tanh(e.Mul(_c(e, k, x), e.Add(x, e.Mul(_c(e, a, x), e.Mul(x2, x)))))
+        du = e.Mul(_c(e, k, x), e.Add(one, e.Mul(_c(e, 3 * a, x), x2)))
+        local = e.Add(e.Mul(half, e.Add(one, t)),
+                      e.Mul(e.Mul(half, x), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
+    else:
+        cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(x, _c(e, 1.0 / math.sqrt(2.0), x)))))
+        pdf = e.Mul(_c(e, 1.0 / math.sqrt(2.0 * math.pi), x), e.Exp(e.Mul(_c(e, -0.5, x), x2)))
+        local = e.Add(cdf, e.Mul(x, pdf))
+    return (e.Mul(dys[0], local),)
+
+
+# ----------------------------------------------------------------------------- piecewise
+
+
+@register("Relu")
+def relu(n, dys, needs, e):
+    """dx = dy where x > 0, else 0"""
+    (x,) = n.inputs
+    return (_keep(e, e.Greater(x, _c(e, 0.0, x)), dys[0]),)
+
+
+@register("LeakyRelu")
+def leaky_relu(n, dys, needs, e):
+    """y = x (x >= 0), alpha x (x < 0):  dx = dy, or alpha dy where x < 0"""
+    (x,) = n.inputs
+    (dy,) = dys
+    alpha = attr(n, "alpha", 0.01)
+    return (_where(e, e.Less(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, alpha, x)), dy),)
+
+
+@register("Elu")
+def elu(n, dys, needs, e):
+    """y = x (x >= 0), alpha (exp(x) - 1) (x < 0):  dx = dy, or dy (y + alpha) where x < 0"""
+    (x,) = n.inputs
+    (y,) = n.outputs
+    (dy,) = dys
+    alpha = attr(n, "alpha", 1.0)
+    return (_where(e, e.Less(x, _c(e, 0.0, x)), e.Mul(dy, e.Add(y, _c(e, alpha, y))), dy),)
+
+
+@register("Selu")
+def selu(n, dys, needs, e):
+    """y = gamma x (x > 0), gamma alpha (exp(x) - 1) (x <= 0):
+    dx = gamma dy, or dy (y + gamma alpha) where x <= 0"""
+    (x,) = n.inputs
+    (y,) = n.outputs
+    (dy,) = dys
+    alpha = attr(n, "alpha", 1.67326319217681884765625)
+    gamma = attr(n, "gamma", 1.05070102214813232421875)
+    return (_where(e, e.Greater(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, gamma, x)),
+                   e.Mul(dy, e.Add(y, _c(e, gamma * alpha, y)))),)
+
+
+@register("HardSigmoid")
+def hard_sigmoid(n, dys, needs, e):
+    """y = clip(alpha x + beta, 0, 1):  dx = alpha dy inside the linear region 0 < y < 1, else 0.
+
+    The region is read off the output, so it agrees bit for bit with the forward clipping.
+    """
+    (y,) = n.outputs
+    alpha = attr(n, "alpha", 0.2)
+    inside = e.And(e.Greater(y, _c(e, 0.0, y)), e.Less(y, _c(e, 1.0, y)))
+    return (_keep(e, inside, e.Mul(dys[0], _c(e, alpha, y))),)
+
+
+@register("HardSwish")
+def hard_swish(n, dys, needs, e):
+    """y = x clip(x/6 + 1/2, 0, 1):  dx = 0 (x < -3), dy (x > 3), dy (x/3 + 1/2) otherwise
+    (the inclusive middle branch is PyTorch's hardswish_backward)."""
+    (x,) = n.inputs
+    (dy,) = dys
+    middle = e.Mul(dy, e.Add(e.Mul(x, _c(e, 1.0 / 3.0, x)), _c(e, 0.5, x)))
+    upper = _where(e, e.Greater(x, _c(e, 3.0, x)), dy, middle)
+    return (_keep(e, e.Not(e.Less(x, _c(e, -3.0, x))), upper),)
+
+
+@register("Clip", since=13)
+def clip(n, dys, needs, e):
+    """y = min(max(x, lo), hi), lo/hi optional inputs (PyTorch clamp's convention):
+
+    dx  = dy where lo <= x <= hi (inclusive);
+    dlo = sum of dy where x < lo (and lo < hi when hi is given);
+    dhi = sum of dy where x > hi (or everywhere when hi < lo: then y = hi).
+    """
+    x, lo, hi = n.inputs[0], _input(n, 1), _input(n, 2)
+    (dy,) = dys
+    below = e.Less(x, lo) if lo is not None else None
+    above = e.Greater(x, hi) if hi is not None else None
+    outside = below if above is None else above if below is None else e.Or(below, above)
+    dx = dy if outside is None else _keep(e, e.Not(outside), dy)
+    dlo = dhi = None
+    if lo is not None and needs[1]:
+        lo_wins = below if hi is None else e.And(below, e.Less(lo, hi))
+        dlo = e.unbroadcast(_keep(e, lo_wins, dy), lo)
+    if hi is not None and needs[2]:
+        hi_wins = above if lo is None else e.Or(above, e.Less(hi, lo))
+        dhi = e.unbroadcast(_keep(e, hi_wins, dy), hi)
+    return dx, dlo, dhi
+
+
+@register("Dropout", since=13)
+def dropout(n, dys, needs, e):
+    """Inference (training_mode absent/false, or ratio 0): y = x, dx = dy.
+    Training: y = x * mask / (1 - ratio), dx = dy * mask / (1 - ratio).
+
+    The mask comes from the node's ``mask`` output when it has one (exact). Without it, the
+    mask is read off the forward values: where x != 0, kept <=> y != 0 (exact); where x == 0
+    the draw left no trace in y, and dx takes the expected factor, dy (E[mask/(1-ratio)] = 1).
+    A dynamic training_mode selects the scale at run time (mask is all true in inference).
+    The ratio gets no gradient.
+    """
+    x, ratio, training = n.inputs[0], _input(n, 1), _input(n, 2)
+    (y,) = n.outputs[:1]
+    dy = dys[0]
+    if dy is None:
+        return (None,)
+    train_c = None if training is None else constant_of(training)
+    ratio_c = 0.5 if ratio is None else constant_of(ratio)
+    if training is None or (train_c is not None and not bool(train_c)):
+        return (dy,)
+    if ratio_c is not None and float(ratio_c) == 0.0:
+        return (dy,)
+    if ratio_c is not None:
+        scale = _c(e, 1.0 / (1.0 - float(ratio_c)), x)
+    else:
+        r = e.CastLike(ratio, x)
+        scale = e.Div(_c(e, 1.0, x), e.Sub(_c(e, 1.0, x), r))
+    if train_c is None:
+        scale = _where(e, training, scale, _c(e, 1.0, x))
+    scaled = e.Mul(dy, scale)
+    mask = _output(n, 1)
+    if mask is not None:
+        return (_keep(e, mask, scaled),)
+    zero = _c(e, 0.0, x)
+    kept = _keep(e, e.Not(e.Equal(y, zero)), scaled)
+    return (_where(e, e.Equal(x, zero), dy, kept),)
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+@register("CumSum")
+def cumsum(n, dys, needs, e):
+    """Linear; its adjoint is the cumulative sum in the other direction:
+    dx = CumSum(dy, axis, exclusive, reverse = not reverse)."""
+    x, axis = n.inputs
+    return (
+        e.CumSum(dys[0], axis, exclusive=attr(n, "exclusive", 0), reverse=1 - attr(n, "reverse", 0)),
+        None,
+    )
+
+
+@register("Trilu")
+def trilu(n, dys, needs, e):
+    """A 0/1 mask on the last two axes, its own adjoint: dx = Trilu(dy, k, upper)."""
+    k = _input(n, 1)
+    extra = [k] if k is not None else []
+    return e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)), None
+

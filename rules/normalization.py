@@ -1,0 +1,272 @@
+"""Normalization layers: BatchNormalization LayerNormalization InstanceNormalization
+GroupNormalization.
+
+All of them standardize x over some axes and then scale and shift it::
+
+    mu = mean(x), r = 1/sqrt(mean((x-mu)^2) + eps), xhat = (x - mu)*r, y = scale*xhat + B
+
+Over the normalized axes (M elements), with g = dxhat = dy*scale::
+
+    dx = r*(g - mean(g) - xhat*mean(g*xhat)) + (dmu - dr*r^2*xhat)/M
+
+where dmu and dr are the gradients arriving at outputs that expose mu and r (LayerNormalization's
+Mean and InvStdDev). dscale = sum(dy*xhat) and dB = sum(dy) over the broadcast axes.
+
+BatchNormalization, InstanceNormalization and GroupNormalization work on x reshaped to
+(N, C, L) (or (N, G, L) for the groups), so the statistics axes are static whatever the rank.
+"""
+
+import numpy as np
+import onnx_ir as ir
+
+from gradbuilder.errors import GradientRuleError
+from gradbuilder.registry import attr, dims_of, register
+
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _compute_type(x, stash=int(ir.DataType.FLOAT)):
+    """The dtype of the statistics: ``stash`` for 16-bit x when it is wider, else x's dtype."""
+    stash = ir.DataType(stash)
+    if x.dtype in _HALF and stash.itemsize > x.dtype.itemsize:
+        return stash
+    return x.dtype
+
+
+def _cast(e, v, dtype):
+    """``v`` as ``dtype`` (unchanged when already so, or when dtype is unknown)."""
+    if v is None or dtype is None or v.dtype == dtype:
+        return v
+    return e.Cast(v, to=int(dtype))
+
+
+def _static(dims):
+    return dims is not None and all(isinstance(d, int) for d in dims)
+
+
+def _grouped(e, v, like, groups=0):
+    """``v`` (shaped like ``like``: N, C, d1..dk) as (N, groups, L); groups=0 keeps C."""
+    dims = dims_of(like)
+    if _static(dims) and len(dims) >= 2:
+        lead = dims[1] if groups == 0 else groups
+        return e.reshape(v, [dims[0], lead, int(np.prod(dims)) // (dims[0] * lead)])
+    return e.reshape(v, [0, groups, -1])
+
+
+def _ungrouped(e, v, like):
+    """``v`` reshaped back to the shape of ``like``."""
+    dims = dims_of(like)
+    out = e.reshape(v, list(dims)) if _static(dims) else e.Reshape(v, e.shape(like))
+    e._set(out, v.dtype, dims)
+    return out
+
+
+def _per_channel(e, v, like):
+    """A (C,) vector as (C, 1), to broadcast against (N, C, L), in the dtype of ``like``."""
+    return e.unsqueeze(e.CastLike(v, like), [1])
+
+
+def _count(e, x, axes, reduced):
+    """M, the number of elements each statistic is taken over, as a scalar of x's dtype."""
+    dims = dims_of(x)
+    if isinstance(axes, list) and dims is not None and all(isinstance(dims[a], int) for a in axes):
+        return e.scalar(float(np.prod([dims[a] for a in axes])), x)
+    return e.CastLike(e.Div(e.Size(x), e.Size(reduced)), x)
+
+
+class _Stats:
+    """mu, r = 1/sqrt(var + eps) and xhat of ``x`` over ``axes`` (a list or an int64 value)."""
+
+    def __init__(self, e, x, axes, eps):
+        self.e, self.axes = e, axes
+        total = e.reduce("ReduceSum", x, axes, keepdims=True)
+        self.count = _count(e, x, axes, total)
+        self.mu = e.Div(total, self.count)
+        d = e.Sub(x, self.mu)
+        var = self.mean(e.Mul(d, d))
+        self.r = e.Reciprocal(e.Sqrt(e.Add(var, e.scalar(eps, x))))
+        self.xhat = e.Mul(d, self.r)
+
+    def mean(self, v):
+        return self.e.Div(self.e.reduce("ReduceSum", v, self.axes, keepdims=True), self.count)
+
+    def backward(self, dxhat, dmu=None, dr=None):
+        """dx from the gradients of xhat, mu and r (any may be None)."""
+        e, xhat, r = self.e, self.xhat, self.r
+        terms = []
+        if dxhat is not None:
+            centered = e.Sub(e.Sub(dxhat, self.mean(dxhat)), e.Mul(xhat, self.mean(e.Mul(dxhat, xhat))))
+            terms.append(e.Mul(r, centered))
+        extra = None
+        if dmu is not None:
+            extra = e.CastLike(dmu, xhat)
+        if dr is not None:
+            dvar_term = e.Mul(e.Mul(e.CastLike(dr, xhat), e.Mul(r, r)), xhat)
+            extra = e.Neg(dvar_term) if extra is None else e.Sub(extra, dvar_term)
+        if extra is not None:
+            terms.append(e.expand_like(e.Div(extra, self.count), xhat) if not terms else e.Div(extra, self.count))
+        if not terms:
+            return None
+        return terms[0] if len(terms) == 1 else e.Add(terms[0], terms[1])
+
+
+def _sum_nl(e, v):
+    """(N, C, L) -> (C,): the sum over batch and spatial axes."""
+    return e.reduce("ReduceSum", v, [0, 2], keepdims=False)
+
+
+# ----------------------------------------------------------------------------- BatchNormalization
+
+
+def _batch_norm(n, dys, needs, e, training):
+    x, scale, b, mean, var = n.inputs[:5]
+    if any(d is not None for d in dys[3:5]):
+        raise GradientRuleError("gradients through saved_mean/saved_var (BatchNormalization-9) are not supported")
+    dy = dys[0]  # running_mean/running_var carry no gradient
+    if dy is None:
+        return [None] * 5
+    eps = attr(n, "epsilon", 1e-5)
+    ct = _compute_type(x)
+    x3 = _grouped(e, _cast(e, x, ct), x)
+    dy3 = _grouped(e, _cast(e, dy, ct), x)
+    scale_c = _per_channel(e, scale, x3)
+    dx = dscale = db = dmean = dvar = None
+    if training:
+        s = _Stats(e, x3, [0, 2], eps)
+        xhat = s.xhat
+        if needs[0]:
+            dx = s.backward(e.Mul(dy3, scale_c))
+    else:
+        r = e.Reciprocal(e.Sqrt(e.Add(_per_channel(e, var, x3), e.scalar(eps, x3))))
+        xhat = e.Mul(e.Sub(x3, _per_channel(e, mean, x3)), r)
+        if needs[0]:
+            dx = e.Mul(dy3, e.Mul(scale_c, r))
+    sum_dy_xhat = _sum_nl(e, e.Mul(dy3, xhat)) if (needs[1] or (needs[4] and not training)) else None
+    sum_dy = _sum_nl(e, dy3) if (needs[2] or (needs[3] and not training)) else None
+    if needs[1]:
+        dscale = e.CastLike(sum_dy_xhat, scale)
+    if needs[2]:
+        db = e.CastLike(sum_dy, b)
+    if not training:
+        r_c = e.squeeze(r, [1])
+        scale_v = e.CastLike(scale, x3)
+        if needs[3]:  # d/dmean = -sum(dy)*scale*r
+            dmean = e.CastLike(e.Neg(e.Mul(sum_dy, e.Mul(scale_v, r_c))), mean)
+        if needs[4]:  # d/dvar = -1/2 * scale * r^2 * sum(dy*xhat)
+            half = e.Mul(e.scalar(-0.5, x3), e.Mul(scale_v, e.Mul(r_c, r_c)))
+            dvar = e.CastLike(e.Mul(half, sum_dy_xhat), var)
+    if dx is not None:
+        dx = e.CastLike(_ungrouped(e, dx, x), x)
+    return dx, dscale, db, dmean, dvar
+
+
+@register("BatchNormalization")
+def batch_norm_9(n, dys, needs, e):
+    """BatchNormalization-9: inference mode y = scale*(x-mean)/sqrt(var+eps) + B when it has one
+    output; with the training outputs (Y, mean, var, saved_mean, saved_var) Y uses the batch
+    statistics (population variance over all axes but 1). Running statistics carry no gradient."""
+    return _batch_norm(n, dys, needs, e, training=len(n.outputs) > 1)
+
+
+@register("BatchNormalization", since=14)
+def batch_norm(n, dys, needs, e):
+    """BatchNormalization-14/15: training_mode=0: y = scale*(x-mean)/sqrt(var+eps) + B,
+    dx = dy*scale*r, dmean = -scale*r*sum(dy), dvar = -scale*r^2/2*sum(dy*xhat);
+    training_mode=1: y = scale*xhat + B with the batch statistics (population variance over all
+    axes but 1), dx through those statistics; running_mean/running_var carry no gradient, and
+    input_mean/input_var get none."""
+    return _batch_norm(n, dys, needs, e, training=bool(attr(n, "training_mode", 0)))
+
+
+# ----------------------------------------------------------------------------- LayerNormalization
+
+
+def _layer_axes(e, x, axis):
+    dims = dims_of(x)
+    if dims is not None:
+        return list(range(axis % len(dims) if len(dims) else 0, len(dims)))
+    if axis < 0:
+        return list(range(axis, 0))
+    rank = e.Size(e.shape(x))
+    return e.Range(e.const(np.array(axis, dtype=np.int64)), rank, e.const(np.array(1, dtype=np.int64)))
+
+
+@register("LayerNormalization", since=17)
+def layer_norm(n, dys, needs, e):
+    """LayerNormalization-17: statistics over axes [axis, rank); Y = xhat*Scale + B,
+    Mean = mu, InvStdDev = r (computed in stash_type).
+    dX = r*(g - mean(g) - xhat*mean(g*xhat)) + (dMean - dInvStdDev*r^2*xhat)/M with g = dY*Scale;
+    dScale = unbroadcast(dY*xhat), dB = unbroadcast(dY)."""
+    x, scale = n.inputs[:2]
+    b = n.inputs[2] if len(n.inputs) > 2 else None
+    dy, dmu, dr = (list(dys) + [None, None])[:3]
+    xc = _cast(e, x, _compute_type(x, attr(n, "stash_type", 1)))
+    s = _Stats(e, xc, _layer_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5))
+    dx = dscale = db = None
+    if dy is not None:
+        xhat = e.CastLike(s.xhat, x)
+        if needs[1]:
+            dscale = e.unbroadcast(e.Mul(dy, xhat), scale)
+        if b is not None and needs[2]:
+            db = e.unbroadcast(dy, b)
+    if needs[0]:
+        dxhat = e.CastLike(e.Mul(dy, scale), xc) if dy is not None else None
+        dx = s.backward(dxhat, dmu, dr)
+        dx = e.CastLike(dx, x) if dx is not None else None
+    return dx, dscale, db
+
+
+# ----------------------------------------------------------------------------- Instance/GroupNormalization
+
+
+def _grouped_norm(n, dys, needs, e, groups, per_group_affine, stash):
+    """Statistics per (n, group) over the group's channels and the spatial axes; scale and B are
+    per group (``per_group_affine``) or per channel. groups=0 means one group per channel."""
+    x, scale, b = n.inputs[:3]
+    (dy,) = dys[:1]
+    if dy is None:
+        return None, None, None
+    ct = _compute_type(x, stash)
+    xg = _grouped(e, _cast(e, x, ct), x, groups)
+    s = _Stats(e, xg, [2], attr(n, "epsilon", 1e-5))
+    if per_group_affine:
+        dy_a = _grouped(e, dy, x, groups)
+        xhat_a = e.CastLike(s.xhat, x)
+    else:  # affine per channel: (N, C, L)
+        dy_a = _grouped(e, dy, x)
+        xhat_a = e.CastLike(s.xhat if groups == 0 else _ungrouped(e, s.xhat, dy_a), x)
+    scale_a = _per_channel(e, scale, dy_a)
+    dx = dscale = db = None
+    if needs[0]:
+        dxhat = e.Mul(dy_a, scale_a)
+        if not per_group_affine and groups != 0:
+            dxhat = _grouped(e, dxhat, x, groups)
+        dx = e.CastLike(_ungrouped(e, s.backward(e.CastLike(dxhat, xg)), x), x)
+    if needs[1]:
+        dscale = e.CastLike(_sum_nl(e, e.Mul(dy_a, xhat_a)), scale)
+    if needs[2]:
+        db = e.CastLike(_sum_nl(e, dy_a), b)
+    return dx, dscale, db
+
+
+@register("InstanceNormalization")
+def instance_norm(n, dys, needs, e):
+    """InstanceNormalization: statistics per (n, c) over the spatial axes; y = scale[c]*xhat + B[c]."""
+    return _grouped_norm(n, dys, needs, e, 0, False, int(ir.DataType.FLOAT))
+
+
+@register("GroupNormalization", since=18)
+def group_norm_18(n, dys, needs, e):
+    """GroupNormalization-18: statistics per (n, group); scale and bias per group:
+    y = scale[g]*xhat + bias[g]."""
+    return _grouped_norm(n, dys, needs, e, attr(n, "num_groups"), True, int(ir.DataType.FLOAT))
+
+
+@register("GroupNormalization", since=21)
+def group_norm(n, dys, needs, e):
+    """GroupNormalization-21: statistics per (n, group) in stash_type; scale and bias per channel:
+    y = scale[c]*xhat + bias[c]."""
+    return _grouped_norm(n, dys, needs, e, attr(n, "num_groups"), False, attr(n, "stash_type", 1))

@@ -1,0 +1,209 @@
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradbuilder import GradientGraphBuilder
+from gradbuilder.testing import gradcheck
+
+from .helpers import linear_model, make_model, tensor, vi
+
+
+def run_ort(model_bytes, feeds):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def x_batch(n=5):
+    return np.random.default_rng(1).standard_normal((n, 1, 4)).astype(np.float32)
+
+
+def init(model, name):
+    return next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+
+
+def expected_linear(model, x):
+    w, b = init(model, "W"), init(model, "B")
+    y = x * w + b
+    return (2 * y * x).sum(0), (2 * y).sum((0, 1))
+
+
+@pytest.mark.parametrize("form", ["proto", "bytes", "path"])
+def test_model_forms_and_output_layout(form, tmp_path):
+    model = linear_model()
+    original = model.SerializeToString()
+    src = {"proto": model, "bytes": original, "path": str(tmp_path / "m.onnx")}[form]
+    if form == "path":
+        onnx.save(model, src)
+    b = GradientGraphBuilder(src, ["W", "B"], ["loss", "y"], "loss").build()
+    out = onnx.load_from_string(b.get_model())
+    assert [o.name for o in out.graph.output] == ["loss", "y", "W_grad", "B_grad"]
+    assert model.SerializeToString() == original  # the caller's model is never modified
+    assert [i.name for i in out.graph.input] == ["x", "W", "B"]
+    assert {"W", "B"} <= {t.name for t in out.graph.initializer}  # kept as default values
+    grads = {o.name: o for o in out.graph.output}
+    assert [d.dim_value for d in grads["W_grad"].type.tensor_type.shape.dim] == [3, 4]
+    assert grads["B_grad"].type.tensor_type.elem_type == TensorProto.FLOAT
+    onnx.checker.check_model(out, full_check=True)
+    assert all(n.domain in ("", "ai.onnx") for n in out.graph.node)
+
+
+def test_runs_on_onnxruntime_with_initializer_defaults_and_fed_weights():
+    model = linear_model()
+    built = GradientGraphBuilder(model, weights=["W", "B"], outputs=["loss"], loss="loss").build().get_model()
+    x = x_batch()
+    got = run_ort(built, {"x": x})  # W and B come from their initializer defaults
+    gw, gb = expected_linear(model, x)
+    np.testing.assert_allclose(got["W_grad"], gw, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["B_grad"], gb, rtol=1e-5, atol=1e-5)
+    w2 = init(model, "W") * 2  # a training loop feeds new weights
+    got2 = run_ort(built, {"x": x, "W": w2})
+    y = x * w2 + init(model, "B")
+    np.testing.assert_allclose(got2["W_grad"], (2 * y * x).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_weight_matches_finite_differences():
+    report = gradcheck(linear_model(), ["W", "B"], "loss", {"x": x_batch(3)})
+    assert report.passed, report
+
+
+def test_save_is_atomic_and_loadable(tmp_path):
+    path = tmp_path / "out.onnx"
+    GradientGraphBuilder(linear_model(), ["W"], ["loss"], "loss").build().save(path)
+    onnx.checker.check_model(str(path), full_check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"]
+
+
+def test_save_external_data(tmp_path):
+    from gradbuilder import modelio
+
+    b = GradientGraphBuilder(linear_model(), ["W"], ["loss"], "loss").build()
+    path = tmp_path / "ext.onnx"
+    modelio.save_atomic(b.model_proto, path, external_data=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ext.onnx", "ext.onnx.data"]
+    got = run_ort(str(path), {"x": x_batch()})
+    np.testing.assert_allclose(got["W_grad"], expected_linear(linear_model(), x_batch())[0], rtol=1e-5, atol=1e-5)
+
+
+def test_weight_through_cast_and_identity_and_multiple_consumers():
+    nodes = [
+        helper.make_node("Identity", ["W"], ["w_id"]),
+        helper.make_node("Cast", ["w_id"], ["w64"], to=TensorProto.DOUBLE),
+        helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE),
+        helper.make_node("Mul", ["x64", "w64"], ["a"]),
+        helper.make_node("Mul", ["a", "w64"], ["b"]),  # W used again
+        helper.make_node("Exp", ["w_id"], ["c32"]),
+        helper.make_node("Cast", ["c32"], ["c"], to=TensorProto.DOUBLE),
+        helper.make_node("Add", ["b", "c"], ["d"]),
+        helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0),
+    ]
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    model = make_model(nodes, [vi("x", [3])], [vi("loss", [], TensorProto.DOUBLE)], [tensor("W", w)])
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    got = run_ort(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {"x": x})
+    assert got["W_grad"].dtype == np.float32
+    np.testing.assert_allclose(got["W_grad"], 2 * x * w + np.exp(w), rtol=1e-5)
+
+
+def test_integer_paths_and_shape_computations_get_no_gradient():
+    # y = Reshape(W, Shape(W)) * Cast(Shape(W)[0]) : the integer branch carries no gradient
+    nodes = [
+        helper.make_node("Shape", ["W"], ["s"]),
+        helper.make_node("Reshape", ["W", "s"], ["w2"]),
+        helper.make_node("ReduceSum", ["s"], ["n"], keepdims=0),
+        helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["w2", "nf"], ["y"]),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    model = make_model(nodes, [], [vi("loss", [])], [tensor("W", np.ones((2, 3), np.float32))])
+    b = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build()
+    got = run_ort(b.get_model(), {})
+    np.testing.assert_allclose(got["W_grad"], np.full((2, 3), 2.0))
+    ops = [n.op_type for n in b.model_proto.graph.node]
+    assert "Shape" in ops  # forward kept; no rule was needed for Shape, ReduceSum(int) or Cast(int)
+
+
+def test_unreached_weight_gets_zero_gradient_and_warning():
+    nodes = [helper.make_node("Mul", ["x", "W"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [vi("x", [2])], [vi("loss", [])],
+                       [tensor("W", np.ones(2, np.float32)), tensor("U", np.ones((2, 2), np.float32))])
+    with pytest.warns(UserWarning, match="U"):
+        b = GradientGraphBuilder(model, ["W", "U"], ["loss"], "loss").build()
+    assert b.unreached_weights == ["U"]
+    got = run_ort(b.get_model(), {"x": np.array([3.0, 4.0], np.float32)})
+    np.testing.assert_allclose(got["U_grad"], np.zeros((2, 2)))
+    np.testing.assert_allclose(got["W_grad"], [3.0, 4.0])
+
+
+def test_weight_as_graph_input_and_fully_dynamic_shapes():
+    nodes = [helper.make_node("Mul", ["x", "W"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [vi("x", [None, None]), vi("W", [None, None])], [vi("loss", [])])
+    b = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build()
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = run_ort(b.get_model(), {"x": x, "W": np.ones((1, 3), np.float32)})
+    np.testing.assert_allclose(got["W_grad"], x.sum(0, keepdims=True))
+
+
+@pytest.mark.parametrize("opset", [11, 13, 15, 18, 21, 23])
+def test_opsets(opset):
+    b = GradientGraphBuilder(linear_model(opset=opset), ["W", "B"], ["loss"], "loss").build()
+    out = b.model_proto
+    assert max(i.version for i in out.opset_import if i.domain in ("", "ai.onnx")) == max(opset, 13)
+    got = run_ort(b.get_model(), {"x": x_batch()})
+    np.testing.assert_allclose(got["W_grad"], expected_linear(linear_model(), x_batch())[0], rtol=1e-5, atol=1e-5)
+
+
+def test_float16_and_float64_weights():
+    for dtype, elem in [(np.float16, TensorProto.FLOAT16), (np.float64, TensorProto.DOUBLE)]:
+        nodes = [helper.make_node("Mul", ["W", "W"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+        model = make_model(nodes, [], [vi("loss", [], elem)], [tensor("W", np.array([1.0, 2.0], dtype))])
+        got = run_ort(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {})
+        assert got["W_grad"].dtype == dtype
+        np.testing.assert_allclose(got["W_grad"].astype(np.float64), [2.0, 4.0])
+
+
+def test_bfloat16_weight_builds_and_checks():
+    nodes = [helper.make_node("Mul", ["W", "W"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    w = helper.make_tensor("W", TensorProto.BFLOAT16, [2], [1.0, 2.0])
+    model = make_model(nodes, [], [vi("loss", [], TensorProto.BFLOAT16)], [w])
+    out = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().model_proto
+    grad = next(o for o in out.graph.output if o.name == "W_grad")
+    assert grad.type.tensor_type.elem_type == TensorProto.BFLOAT16
+
+
+def test_partial_multi_output_node_gets_none_for_unused_outputs():
+    # Split with only the first half used: the rule sees None for the second output
+    nodes = [
+        helper.make_node("Split", ["W", "sizes"], ["a", "b"], axis=0),
+        helper.make_node("Mul", ["a", "a"], ["y"]),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    model = make_model(nodes, [], [vi("loss", [])],
+                       [tensor("W", np.array([1.0, 2.0, 3.0], np.float32)), tensor("sizes", np.array([1, 2]))])
+    got = run_ort(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {})
+    np.testing.assert_allclose(got["W_grad"], [2.0, 0.0, 0.0])
+
+
+def test_stop_gradient_edge():
+    nodes = [helper.make_node("Mul", ["W", "W"], ["sq"]), helper.make_node("Mul", ["sq", "W"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [], [vi("loss", [])], [tensor("W", np.array([2.0], np.float32))])
+    b = GradientGraphBuilder(model, ["W"], ["loss"], "loss", stop_gradients=["sq"]).build()
+    np.testing.assert_allclose(run_ort(b.get_model(), {})["W_grad"], [4.0])  # d(W*const)/dW = W^2
+
+
+def test_timings_recorded():
+    b = GradientGraphBuilder(linear_model(), ["W"], ["loss"], "loss").build()
+    assert set(b.timings) == {"load", "differentiate", "serialize"}
+    assert all(v >= 0 for v in b.timings.values())
+
+
+def test_no_warning_for_reached_weights():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GradientGraphBuilder(linear_model(), ["W", "B"], ["loss"], "loss").build()

@@ -1,0 +1,54 @@
+"""Randomly initialised Hugging Face BERT and GPT-2 from small configs (no downloads), exported
+with their loss inside; gradients of every parameter against torch autograd."""
+
+import pytest
+import torch
+import transformers
+
+from .torch_models import compare_with_torch
+
+
+class WithLoss(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, labels):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+
+def bert():
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+EXPORTERS = [pytest.param(False, 17, id="torchscript-17"), pytest.param(True, 18, id="dynamo-18")]
+
+
+@pytest.mark.parametrize("dynamo,opset", EXPORTERS)
+def test_bert_sequence_classification(dynamo, opset):
+    torch.manual_seed(0)
+    m = WithLoss(bert()).train()
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.int64)
+    mask[1, 6:] = 0
+    compare_with_torch(m, (ids, mask, torch.tensor([0, 2])), ["input_ids", "attention_mask", "labels"],
+                       dynamo=dynamo, opset=opset)
+
+
+@pytest.mark.parametrize("dynamo,opset", EXPORTERS)
+def test_gpt2_lm_head_tied_embeddings(dynamo, opset):
+    torch.manual_seed(0)
+    m = WithLoss(gpt2()).train()
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.int64)
+    compare_with_torch(m, (ids, mask, ids.clone()), ["input_ids", "attention_mask", "labels"],
+                       dynamo=dynamo, opset=opset)

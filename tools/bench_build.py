@@ -1,0 +1,161 @@
+"""Build-time benchmark: gradient graphs of generated transformer models of ~5k/10k/20k nodes.
+
+Each size runs in a fresh subprocess so peak memory (ru_maxrss) is that build's alone.
+Reports load / differentiate / serialize times, total, peak RSS and the ratio of peak RSS to
+the model file size, and the growth of time per node between sizes.
+
+    python tools/bench_build.py                  # 5k, 10k, 20k nodes
+    python tools/bench_build.py --nodes 20000    # one size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+NODES_PER_LAYER = 45  # measured by make_transformer below, printed by --count
+
+
+def make_transformer(layers: int, d: int = 64, heads: int = 4, ff: int = 128, seq: int = 16,
+                     vocab: int = 1000, opset: int = 17) -> onnx.ModelProto:
+    """A decoder-free transformer encoder classifier in the form torch's exporter writes."""
+    rng = np.random.default_rng(0)
+    inits, nodes = [], []
+
+    def w(name, *shape, scale=None):
+        scale = scale if scale is not None else 1.0 / np.sqrt(shape[0])
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def c(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(op, ins, outs=None, **attrs):
+        outs = outs or [f"{op.lower()}_{len(nodes)}"]
+        nodes.append(helper.make_node(op, ins, outs, name=f"n{len(nodes)}_{op}", **attrs))
+        return outs[0]
+
+    hd = d // heads
+    c("shape_bshd", np.array([0, 0, heads, hd], np.int64))
+    c("shape_bsd", np.array([0, 0, d], np.int64))
+    c("scale", np.array(np.sqrt(hd), np.float32))
+    c("half", np.array(0.5, np.float32))
+    c("one", np.array(1.0, np.float32))
+    c("sqrt2", np.array(np.sqrt(2.0), np.float32))
+    c("axes1", np.array([1], np.int64))
+    emb = w("embed.weight", vocab, d, scale=0.02)
+    x = node("Gather", [emb, "tokens"])
+    for i in range(layers):
+        p = f"layer{i}."
+        h = node("LayerNormalization", [x, w(p + "ln1.weight", d, scale=1.0), w(p + "ln1.bias", d, scale=0.0)],
+                 axis=-1, epsilon=1e-5)
+        q = node("Add", [node("MatMul", [h, w(p + "q.weight", d, d)]), w(p + "q.bias", d, scale=0.0)])
+        k = node("Add", [node("MatMul", [h, w(p + "k.weight", d, d)]), w(p + "k.bias", d, scale=0.0)])
+        v = node("Add", [node("MatMul", [h, w(p + "v.weight", d, d)]), w(p + "v.bias", d, scale=0.0)])
+        q = node("Transpose", [node("Reshape", [q, "shape_bshd"])], perm=[0, 2, 1, 3])
+        k = node("Transpose", [node("Reshape", [k, "shape_bshd"])], perm=[0, 2, 3, 1])
+        v = node("Transpose", [node("Reshape", [v, "shape_bshd"])], perm=[0, 2, 1, 3])
+        s = node("Div", [node("MatMul", [q, k]), "scale"])
+        a = node("Softmax", [s], axis=-1)
+        o = node("Transpose", [node("MatMul", [a, v])], perm=[0, 2, 1, 3])
+        o = node("Reshape", [o, "shape_bsd"])
+        o = node("Add", [node("MatMul", [o, w(p + "o.weight", d, d)]), w(p + "o.bias", d, scale=0.0)])
+        x = node("Add", [x, o])
+        h = node("LayerNormalization", [x, w(p + "ln2.weight", d, scale=1.0), w(p + "ln2.bias", d, scale=0.0)],
+                 axis=-1, epsilon=1e-5)
+        h = node("Add", [node("MatMul", [h, w(p + "ff1.weight", d, ff)]), w(p + "ff1.bias", ff, scale=0.0)])
+        g = node("Mul", [node("Mul", [h, node("Add", [node("Erf", [node("Div", [h, "sqrt2"])]), "one"])]), "half"])
+        g = node("Add", [node("MatMul", [g, w(p + "ff2.weight", ff, d)]), w(p + "ff2.bias", d, scale=0.0)])
+        x = node("Add", [x, g])
+    x = node("ReduceMean", [x, "axes1"], keepdims=0) if opset >= 18 else node("ReduceMean", [x], axes=[1], keepdims=0)
+    logits = node("Add", [node("MatMul", [x, w("head.weight", d, 10)]), w("head.bias", 10, scale=0.0)])
+    node("SoftmaxCrossEntropyLoss", [logits, "labels"], ["loss"], reduction="mean")
+    graph = helper.make_graph(
+        nodes, "transformer",
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", seq]),
+         helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def layers_for(nodes: int) -> int:
+    per_layer = len(make_transformer(2).graph.node) - len(make_transformer(1).graph.node)
+    base = len(make_transformer(1).graph.node) - per_layer
+    return max(1, round((nodes - base) / per_layer))
+
+
+def _child(path: str) -> None:
+    """Build one model's gradient graph; print timings and peak RSS as JSON."""
+    from gradbuilder import GradientGraphBuilder
+    from gradbuilder.builder import float_initializers
+
+    t0 = time.perf_counter()
+    weights = float_initializers(path)
+    weights = [w for w in weights if w not in ("scale", "half", "one", "sqrt2")]
+    b = GradientGraphBuilder(path, weights=weights, outputs=["loss"], loss="loss").build()
+    out = path + ".grad.onnx"
+    t1 = time.perf_counter()
+    b.save(out)
+    t2 = time.perf_counter()
+    fwd_nodes = len(onnx.load(path, load_external_data=False).graph.node)
+    result = {
+        "forward_nodes": fwd_nodes,
+        "output_nodes": len(b.model_proto.graph.node),
+        "load_s": b.timings["load"],
+        "differentiate_s": b.timings["differentiate"],
+        "serialize_s": b.timings["serialize"] + (t2 - t1),
+        "total_s": t2 - t0,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "model_mb": os.path.getsize(path) / 2**20,
+    }
+    print(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, nargs="+", default=[5000, 10000, 20000])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.nodes:
+            path = os.path.join(tmp, f"transformer_{n}.onnx")
+            onnx.save(make_transformer(layers_for(n)), path)
+            out = subprocess.run([sys.executable, __file__, "--child", path], capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"build of {n}-node model failed:\n{out.stderr}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"{'fwd nodes':>9} {'out nodes':>9} {'load s':>7} {'diff s':>7} {'ser s':>7} {'total s':>8} "
+          f"{'model MB':>9} {'peak MB':>8} {'peak/(3*model+200)':>19} {'us/node':>8}")
+    for r in rows:
+        budget = 3 * r["model_mb"] + 200
+        print(f"{r['forward_nodes']:9d} {r['output_nodes']:9d} {r['load_s']:7.2f} {r['differentiate_s']:7.2f} "
+              f"{r['serialize_s']:7.2f} {r['total_s']:8.2f} {r['model_mb']:9.1f} {r['peak_rss_mb']:8.0f} "
+              f"{r['peak_rss_mb'] / budget:19.2f} {1e6 * r['total_s'] / r['forward_nodes']:8.0f}")
+    if len(rows) > 1:
+        a, b = rows[0], rows[-1]
+        growth = (b["total_s"] / a["total_s"]) / (b["forward_nodes"] / a["forward_nodes"])
+        print(f"time growth vs linear from {a['forward_nodes']} to {b['forward_nodes']} nodes: {growth:.2f}x "
+              "(1.00 = linear)")
+
+
+if __name__ == "__main__":
+    main()
