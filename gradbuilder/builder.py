@@ -14,6 +14,7 @@ from . import modelio
 from .autodiff import differentiate
 from .errors import InvalidArgumentError, OutputError
 from .passes.cleanup import remove_unused_nodes
+from .passes.expose_masks import expose_dropout_masks
 from .registry import FLOAT_TYPES, Emitter, dims_of
 
 KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
@@ -71,6 +72,7 @@ class GradientGraphBuilder:
         stops = frozenset(values[n] for n in self._names_exist(self.stop_gradients, values, "stop_gradients"))
 
         e = Emitter(graph, opset)
+        expose_dropout_masks(graph, e.unique)
         result = differentiate(graph, weights, loss, opset, e, stop_gradients=stops)
         if result.unreached:
             self.unreached_weights = result.unreached

@@ -184,16 +184,17 @@ def clip(n, dys, needs, e):
     (dy,) = dys
     below = e.Less(x, lo) if lo is not None else None
     above = e.Greater(x, hi) if hi is not None else None
-    outside = below if above is None else above if below is None else e.Or(below, above)
-    dx = dy if outside is None else _keep(e, e.Not(outside), dy)
-    dlo = dhi = None
+    dx, dlo, dhi = dy, None, None
+    if needs[0] and (below is not None or above is not None):
+        outside = above if below is None else below if above is None else e.Or(below, above)
+        dx = _keep(e, e.Not(outside), dy)
     if lo is not None and needs[1]:
         lo_wins = below if hi is None else e.And(below, e.Less(lo, hi))
         dlo = e.unbroadcast(_keep(e, lo_wins, dy), lo)
     if hi is not None and needs[2]:
         hi_wins = above if lo is None else e.Or(above, e.Less(hi, lo))
         dhi = e.unbroadcast(_keep(e, hi_wins, dy), hi)
-    return dx, dlo, dhi
+    return [dx, dlo, dhi][: len(n.inputs)]
 
 
 @register("Dropout", since=13)
@@ -241,11 +242,8 @@ def dropout(n, dys, needs, e):
 def cumsum(n, dys, needs, e):
     """Linear; its adjoint is the cumulative sum in the other direction:
     dx = CumSum(dy, axis, exclusive, reverse = not reverse)."""
-    x, axis = n.inputs
-    return (
-        e.CumSum(dys[0], axis, exclusive=attr(n, "exclusive", 0), reverse=1 - attr(n, "reverse", 0)),
-        None,
-    )
+    axis = n.inputs[1]
+    return (e.CumSum(dys[0], axis, exclusive=attr(n, "exclusive", 0), reverse=1 - attr(n, "reverse", 0)),)
 
 
 @register("Trilu")
@@ -253,5 +251,5 @@ def trilu(n, dys, needs, e):
     """A 0/1 mask on the last two axes, its own adjoint: dx = Trilu(dy, k, upper)."""
     k = _input(n, 1)
     extra = [k] if k is not None else []
-    return e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)), None
+    return (e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)),)
 
