@@ -73,11 +73,32 @@ def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
     try:
-        if proto.ByteSize() < TWO_GB:
-            proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+        infer_types(proto)
     except Exception as exc:
         raise InvalidModelError(f"the model does not type-check (onnx shape inference): {exc}") from exc
     return proto
+
+
+def infer_types(proto: onnx.ModelProto) -> None:
+    """Strict type and shape inference, in place, at any model size.
+
+    The raw bytes of large initializers are set aside while onnx infers (it needs only their
+    dims and types), so models over 2 GB are inferred too and no copy of the weights is made.
+    """
+    stash = {}
+    for i, t in enumerate(proto.graph.initializer):
+        if len(t.raw_data) > 4096:
+            stash[i] = t.raw_data
+            t.ClearField("raw_data")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    finally:
+        for i, raw in stash.items():
+            proto.graph.initializer[i].raw_data = raw
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(inferred.graph.value_info)
+    for ours, theirs in zip(proto.graph.output, inferred.graph.output):
+        ours.CopyFrom(theirs)
 
 
 def to_ir(proto: onnx.ModelProto) -> ir.Model:

@@ -309,7 +309,9 @@ class Emitter:
         return out
 
     def scalar(self, x: float, like: ir.Value) -> ir.Value:
-        """A rank-0 constant ``x`` with the dtype of ``like``."""
+        """A rank-0 constant ``x`` with the dtype of ``like`` (CastLike when it is unknown)."""
+        if like.dtype is None and self.opset >= 15:
+            return self.op("CastLike", self.const(np.array(x), dtype=ir.DataType.DOUBLE), like)
         return self.const(np.array(x), dtype=like.dtype or ir.DataType.FLOAT)
 
     def ints(self, values) -> ir.Value:

@@ -47,7 +47,8 @@ def _tensor64(t: onnx.TensorProto) -> onnx.TensorProto:
 
 _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
                 "RandomNormalLike": "dtype", "RandomUniformLike": "dtype", "Bernoulli": "dtype",
-                "Multinomial": "dtype"}
+                "Multinomial": "dtype",
+                "GroupNormalization": "stash_type"}
 
 
 def _graph64(graph: onnx.GraphProto) -> None:

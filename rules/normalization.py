@@ -216,7 +216,7 @@ def layer_norm(n, dys, needs, e):
         dxhat = e.CastLike(e.Mul(dy, scale), xc) if dy is not None else None
         dx = s.backward(dxhat, dmu, dr)
         dx = e.CastLike(dx, x) if dx is not None else None
-    return dx, dscale, db
+    return [dx, dscale, db][: len(n.inputs)]
 
 
 # ----------------------------------------------------------------------------- Instance/GroupNormalization
