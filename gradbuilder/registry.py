@@ -115,8 +115,8 @@ def attr(node: ir.Node, name: str, default=None):
 
 def constant_of(value: ir.Value | None) -> np.ndarray | None:
     """The numpy value of ``value`` when it is statically known (initializer or Constant)."""
-    if value is None:
-        return None
+    if value is None or value.is_graph_input():
+        return None  # a graph input can be fed at run time, even with an initializer default
     if value.const_value is not None:
         try:
             return value.const_value.numpy()
@@ -348,25 +348,25 @@ class Emitter:
         return self.op("Unsqueeze", x, axes if isinstance(axes, ir.Value) else self.ints(axes))
 
     def shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:
-        return self.op("Shape", x, start=start, end=end)
+        """Shape of ``x`` (dims ``start:end``); Shape's start/end exist from opset 15 only."""
+        if (start is None and end is None) or self.opset >= 15:
+            return self.op("Shape", x, start=start, end=end)
+        full = self.op("Shape", x)
+        stop = end if end is not None else 2**62
+        return self.op("Slice", full, self.ints([start or 0]), self.ints([stop]), self.ints([0]))
 
     def reshape(self, x: ir.Value, shape) -> ir.Value:
         return self.op("Reshape", x, shape if isinstance(shape, ir.Value) else self.ints(shape))
 
     def zeros_like(self, x: ir.Value) -> ir.Value:
-        dims = dims_of(x)
-        if dims is not None and all(isinstance(d, int) for d in dims):
-            return self.const(np.zeros(dims, dtype=(x.dtype or ir.DataType.FLOAT).numpy()), dtype=x.dtype)
-        zero = self.const(np.zeros((1,), dtype=(x.dtype or ir.DataType.FLOAT).numpy()), dtype=x.dtype)
-        return self.op("Expand", zero, self.shape(x))
+        """Zeros shaped like ``x``: one scalar expanded, never a full-size constant."""
+        return self.expand_like(self.scalar(0.0, x), x)
 
     def ones_like(self, x: ir.Value) -> ir.Value:
         dims = dims_of(x)
-        if dims is not None and all(isinstance(d, int) for d in dims):
-            if len(dims) == 0:
-                return self.scalar(1.0, x)
-            return self.op("Expand", self.scalar(1.0, x), self.ints(dims))
-        return self.op("Expand", self.scalar(1.0, x), self.shape(x))
+        if dims is not None and len(dims) == 0:
+            return self.scalar(1.0, x)
+        return self.expand_like(self.scalar(1.0, x), x)
 
     def unbroadcast(self, grad: ir.Value, like: ir.Value) -> ir.Value:
         """Sum ``grad`` over the axes broadcasting added, so it takes the shape of ``like``.
@@ -501,7 +501,8 @@ class Emitter:
         elif op in ("NonZero", "ArgMax", "ArgMin", "Size"):
             self._set(out, ir.DataType.INT64, () if op == "Size" else None)
         elif op in _DATA_FIRST and first is not None:
-            for o in node.outputs:
+            outs = node.outputs if op == "Split" else node.outputs[:1]
+            for o in outs:
                 self._set(o, first.dtype, None)
 
 

@@ -1,0 +1,231 @@
+"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool.
+
+Windows are described as in ``conv.py``: on each spatial axis window ``o`` covers frame
+positions ``o*s + j*d`` (j < kernel), the input sitting at ``[b, b + size)``. Backward passes
+work on the (N*C, 1, *spatial) planes of the input, where scattering values back into their
+windows is a ConvTranspose with one input channel (the form onnx's reference evaluator and
+onnxruntime agree on).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+
+from gradbuilder.errors import GradientRuleError
+from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.rules.conv import (
+    add,
+    conv_fitted,
+    conv_transpose_fitted,
+    dim,
+    fit,
+    frame_of,
+    is_static,
+    known,
+    reshape,
+    sub,
+    vec,
+    window_axes,
+)
+
+
+def _rank(n, x, dy) -> int:
+    for v in (x, dy):
+        d = dims_of(v)
+        if d is not None:
+            return len(d)
+    ks = attr(n, "kernel_shape")
+    if ks:
+        return len(ks) + 2
+    raise GradientRuleError(f"{n.op_type}: the rank of the input is unknown; give the model's inputs a shape")
+
+
+def _planes(e, v, rank):
+    """(N, C, *S) -> (N*C, 1, *S)."""
+    d = dims_of(v)
+    lead = d[0] * d[1] if d is not None and is_static(*d[:2]) else -1
+    return reshape(e, v, [lead, 1] + [dim(e, v, i) for i in range(2, rank)])
+
+
+def _unplanes(e, v, like):
+    """(N*C, 1, *S) -> like's shape."""
+    d = dims_of(like)
+    if d is not None and is_static(*d):
+        return reshape(e, v, list(d), like=like)
+    return e.Reshape(v, e.Shape(like))
+
+
+def _dtype(*values):
+    return next((v.dtype for v in values if v is not None and v.dtype is not None), ir.DataType.FLOAT)
+
+
+def _scatter_windows(e, planes_grad, taps, axes, x):
+    """Add each window's values back onto the input positions they were read from:
+    ``planes_grad`` (N*C, taps, *out) through a stride-s ConvTranspose whose kernel ``taps``
+    maps tap t to its kernel offset, cut to the input's extent; reshaped like ``x``."""
+    g = conv_transpose_fitted(e, planes_grad, taps, [a.kernel for a in axes], [a.begin for a in axes],
+                              [a.size for a in axes], [a.stride for a in axes], [a.dilation for a in axes])
+    return _unplanes(e, g, x)
+
+
+# ----------------------------------------------------------------------------- AveragePool
+
+
+def _counts_static(axes, include_pad: bool):
+    """Per-window element counts (numpy, shape out): positions inside the input (or inside the
+    padded input with count_include_pad), never the ceil_mode overhang past the end padding."""
+    per_axis = []
+    for a in axes:
+        lo, hi = (-a.begin, a.size + a.end) if include_pad else (0, a.size)
+        starts = np.arange(a.out) * a.stride - a.begin
+        taps = starts[:, None] + np.arange(a.kernel)[None, :] * a.dilation
+        per_axis.append(((taps >= lo) & (taps < hi)).sum(axis=1))
+    count = per_axis[0]
+    for c in per_axis[1:]:
+        count = np.multiply.outer(count, c)
+    return np.maximum(count, 1)
+
+
+def _counts_dynamic(e, axes, include_pad: bool, like):
+    """The same counts from ops: a ones tensor over the counted positions, summed per window."""
+    lengths = [add(e, a.size, add(e, a.begin, a.end)) if include_pad else a.size for a in axes]
+    starts = [0 if include_pad else sub(e, 0, a.begin) for a in axes]
+    one = e.scalar(1.0, like)
+    ones = e.Expand(one, vec(e, [1, 1] + lengths))
+    kernel = e.const(np.ones([1, 1] + [a.kernel for a in axes]), dtype=_dtype(like))
+    return conv_fitted(e, ones, kernel, starts, [a.frame for a in axes],
+                       [a.stride for a in axes], [a.dilation for a in axes])
+
+
+@register("AveragePool")
+def average_pool(n, dys, needs, e):
+    """y[o] = (1 / count[o]) * sum of x over window o  =>  dx = sum over the windows holding
+    each x of dy / count: a ConvTranspose of dy / count with a ones kernel, per channel plane.
+    count = window elements inside x (count_include_pad=0) or inside x and its pads (=1);
+    positions of a ceil_mode window past the end padding never count."""
+    x, y = n.inputs[0], n.outputs[0]
+    (dy,) = dys
+    rank = _rank(n, x, dy)
+    kernel = [int(k) for k in attr(n, "kernel_shape")]
+    axes = window_axes(e, n, x, y, kernel, pool=True)
+    include_pad = bool(attr(n, "count_include_pad", 0))
+
+    if all(is_static(a.size, a.out, a.begin, a.end) for a in axes):
+        count = _counts_static(axes, include_pad)
+        if np.all(count == count.flat[0]):
+            scaled = e.Div(dy, e.scalar(float(count.flat[0]), dy))
+        else:
+            scaled = e.Div(dy, e.const(count, dtype=_dtype(dy, x)))
+    else:
+        scaled = e.Div(dy, _counts_dynamic(e, axes, include_pad, x))
+    ones = e.const(np.ones([1, 1] + kernel), dtype=_dtype(x, dy))
+    return (_scatter_windows(e, _planes(e, scaled, rank), ones, axes, x),)
+
+
+# ----------------------------------------------------------------------------- MaxPool
+
+_POOL_ATTRS = ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides")
+
+
+@register("MaxPool")
+def max_pool(n, dys, needs, e):
+    """dx[i] = sum of dy[o] over the windows o whose maximum is x[i] (the first one in the
+    window, in row-major order, as the Indices output picks).
+
+    opset >= 16: scatter-add dy at the Indices of a MaxPool of x (ScatterElements, reduction
+    'add'); overlapping windows that share a maximum add up.
+    opset 13-15: every window's elements side by side, (N*C, taps, *out), from one strided Slice
+    per kernel tap of x padded with -inf; a tap receives dy where it equals the window's
+    maximum and no earlier tap does (CumSum of the matches == 1); a ConvTranspose whose kernel
+    sends tap t to its kernel offset adds the taps back onto x's positions, so overlapping
+    windows add up exactly as with Indices."""
+    x, y = n.inputs[0], n.outputs[0]
+    dy = dys[0]
+    if dy is None:
+        return (None,)
+    rank = _rank(n, x, dy)
+    if e.opset >= 16:
+        return (_max_pool_scatter(n, e, x, dy),)
+    kernel = [int(k) for k in attr(n, "kernel_shape")]
+    axes = window_axes(e, n, x, y, kernel, pool=True)
+    return (_max_pool_taps(e, x, y, dy, axes, rank),)
+
+
+def _max_pool_scatter(n, e, x, dy):
+    if len(n.outputs) > 1 and n.outputs[1] is not None and attr(n, "storage_order", 0) == 0:
+        indices = n.outputs[1]
+    else:
+        attrs = {k: attr(n, k) for k in _POOL_ATTRS if attr(n, k) is not None}
+        _, indices = e.op("MaxPool", x, outputs=2, **attrs)
+        indices.dtype = ir.DataType.INT64  # the emitter gives every output the input's dtype
+    d = dims_of(x)
+    static = d is not None and is_static(*d)
+    numel = e.ints([int(np.prod(d, dtype=np.int64))]) if static else e.Reshape(e.Size(x), e.ints([1]))
+    dtype = _dtype(x, dy)
+    # onnxruntime's CPU ScatterElements cannot add float16: accumulate 16-bit floats in float32
+    acc = ir.DataType.FLOAT if dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else dtype
+    updates = e.Reshape(dy, e.ints([-1]))
+    if acc != dtype:
+        updates = e.Cast(updates, to=int(acc))
+    zeros = e.Expand(e.const(np.zeros(1), dtype=acc), numel)
+    summed = e.ScatterElements(zeros, e.Reshape(indices, e.ints([-1])), updates, axis=0, reduction="add")
+    if acc != dtype:
+        summed = e.Cast(summed, to=int(dtype))
+    return e.Reshape(summed, e.ints(list(d)) if static else e.Shape(x))
+
+
+def _max_pool_taps(e, x, y, dy, axes, rank):
+    r = len(axes)
+    padded = fit(e, _planes(e, x, rank), [sub(e, 0, a.begin) for a in axes], [a.frame for a in axes],
+                 value=e.scalar(-np.inf, x))
+    spatial = e.ints(list(range(2, r + 2)))
+    steps = e.ints([a.stride for a in axes])
+    taps = []
+    for offset in itertools.product(*[range(a.kernel) for a in axes]):
+        begin = [k * a.dilation for k, a in zip(offset, axes)]
+        end = [add(e, b, frame_of(e, a.out, a.stride, 1)) for b, a in zip(begin, axes)]
+        taps.append(e.Slice(padded, vec(e, begin), vec(e, end), spatial, steps))
+    n_taps = len(taps)
+    cols = e.Concat(*taps, axis=1) if n_taps > 1 else taps[0]  # (N*C, taps, *out)
+    hit = e.Equal(cols, _planes(e, y, rank))
+    seen = e.CumSum(e.Cast(hit, to=int(ir.DataType.INT32)), e.const(np.array(1, np.int64)))
+    first = e.And(hit, e.Equal(seen, e.const(np.array(1, np.int32))))
+    dy_planes = _planes(e, dy, rank)
+    routed = e.Where(first, dy_planes, e.scalar(0.0, dy))
+    d = dims_of(dy_planes)
+    if d is not None:
+        known(e, routed, [d[0], n_taps] + [a.out for a in axes], dy)
+    onehot = np.eye(n_taps).reshape([n_taps, 1] + [a.kernel for a in axes])
+    return _scatter_windows(e, routed, e.const(onehot, dtype=_dtype(x, dy)), axes, x)
+
+
+# ----------------------------------------------------------------------------- global pools
+
+
+@register("GlobalAveragePool")
+def global_average_pool(n, dys, needs, e):
+    """y = mean of x over the spatial axes  =>  dx = dy / (number of spatial elements), broadcast."""
+    x, y = n.inputs[0], n.outputs[0]
+    (dy,) = dys
+    d = dims_of(x)
+    if d is not None and is_static(*d[2:]):
+        count = e.scalar(float(np.prod(d[2:], dtype=np.int64)), dy)
+    else:
+        count = e.CastLike(e.Div(e.Size(x), e.Size(y)), x)
+    return (e.expand_like(e.Div(dy, count), x),)
+
+
+@register("GlobalMaxPool")
+def global_max_pool(n, dys, needs, e):
+    """y = max of x over the spatial axes  =>  dy goes to the elements equal to the maximum,
+    shared evenly between ties (as for ReduceMax)."""
+    x, y = n.inputs[0], n.outputs[0]
+    (dy,) = dys
+    rank = _rank(n, x, dy)
+    mask = e.CastLike(e.Equal(x, y), x)
+    count = e.reduce("ReduceSum", mask, list(range(2, rank)), keepdims=True)
+    return (e.Mul(e.Div(dy, count), mask),)
+

@@ -1,0 +1,338 @@
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from gradbuilder import GradientGraphBuilder
+from gradbuilder.testing import check_op, make_op_model
+
+f32 = np.float32
+
+
+def distinct(rng, *shape):
+    """Values with well separated entries, so no window maximum is near a tie."""
+    n = int(np.prod(shape))
+    return (rng.permutation(n).reshape(shape) * 0.25 + rng.uniform(-0.05, 0.05, shape)).astype(f32)
+
+
+def ort_run(model, feeds):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items() if k in names})))
+
+
+def single_node(op, x, attrs, opset, outputs=("y",)):
+    node = helper.make_node(op, ["x"], list(outputs), **attrs)
+    graph = helper.make_graph([node], "g", [], [helper.make_empty_tensor_value_info(o) for o in outputs],
+                              [onnx.numpy_helper.from_array(x, "x")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def assert_forward_agrees(op, x, attrs, opset, outputs=("y",)):
+    """onnx's reference and onnxruntime compute the same forward: the case tests agreed semantics
+    (the reference gets ceil_mode windows wrong when they overhang the end by 2 or more, and
+    MaxPool with all strides 1 and padding)."""
+    from onnx import reference  # looked up at call time: tests may patch it
+
+    model = single_node(op, x, attrs, opset, outputs)
+    ref = reference.ReferenceEvaluator(model).run(None, {})
+    got = ort_run(model, {})
+    for name, r in zip(outputs, ref):
+        assert r.shape == got[name].shape and np.allclose(r, got[name], atol=1e-5), (op, attrs, name)
+
+
+def check_pool(op, x, attrs, opset, **kw):
+    assert_forward_agrees(op, x, attrs, opset)
+    check_op(op, [("x", x)], attrs, opset=opset, **kw)
+
+
+X2 = (2, 4, 5, 6)
+
+# ----------------------------------------------------------------------------- MaxPool
+
+MAXPOOL = [
+    ("k3s2", X2, {"kernel_shape": [3, 3], "strides": [2, 2]}),
+    ("k3s2p1-overlap", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("k2s2-ceil", X2, {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
+    ("k3s2-ceil-pads", X2, {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 1, 0, 0], "ceil_mode": 1}),
+    ("stride-1-axis-padded", X2, {"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1]}),
+    ("dilations", X2, {"kernel_shape": [2, 3], "strides": [1, 2], "dilations": [2, 1], "pads": [1, 0, 0, 1]}),
+    ("dilations-ceil", X2, {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2], "ceil_mode": 1}),
+    ("same-upper", X2, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ("valid", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "VALID"}),
+    ("1d", (2, 4, 7), {"kernel_shape": [3], "strides": [2], "pads": [1, 1], "ceil_mode": 1}),
+    ("3d", (1, 2, 4, 5, 3), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 1], "pads": [0, 1, 0, 0, 0, 1]}),
+]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("case", MAXPOOL, ids=[c[0] for c in MAXPOOL])
+def test_max_pool(case, opset, rng):
+    _, shape, attrs = case
+    check_pool("MaxPool", distinct(rng, *shape), attrs, opset)
+
+
+# onnx's reference MaxPool gives wrong Indices when every stride and dilation is 1, so the
+# opset-16+ form (re-run MaxPool for Indices) is checked there on onnxruntime (ORT_ONLY below);
+# here opsets 13 and 15.
+@pytest.mark.parametrize("opset", [13, 15])
+@pytest.mark.parametrize("shape,attrs", [
+    (X2, {"kernel_shape": [3, 3]}),
+    (X2, {"kernel_shape": [2, 3], "ceil_mode": 1}),
+    ((2, 4, 7), {"kernel_shape": [3]}),
+], ids=["2d", "2d-ceil", "1d"])
+def test_max_pool_stride_one(shape, attrs, opset, rng):
+    check_pool("MaxPool", distinct(rng, *shape), attrs, opset)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("storage_order", [0, 1])
+def test_max_pool_with_indices_output(storage_order, opset, rng):
+    x = distinct(rng, *X2)
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "storage_order": storage_order}
+    from onnx import reference
+
+    model = single_node("MaxPool", x, attrs, opset, ("y", "i"))
+    ref, ort_out = reference.ReferenceEvaluator(model).run(None, {}), ort_run(model, {})
+    np.testing.assert_allclose(ref[0], ort_out["y"])
+    np.testing.assert_array_equal(ref[1], ort_out["i"])
+    check_op("MaxPool", [("x", x)], attrs, opset=opset, num_outputs=2)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_max_pool_dynamic(opset, rng):
+    check_op("MaxPool", [("x", distinct(rng, *X2))],
+             {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1}, opset=opset,
+             weights_as="inputs", dims="dynamic")
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_max_pool_dynamic_same(opset, rng):
+    check_op("MaxPool", [("x", distinct(rng, *X2))], {"kernel_shape": [3, 3], "strides": [2, 2],
+                                                      "auto_pad": "SAME_UPPER"},
+             opset=opset, weights_as="inputs", dims="dynamic")
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_max_pool_ties_go_to_the_first_maximum(opset):
+    # After a Relu most windows are all zeros: each window's dy goes to its first maximum
+    # (row-major), the element its Indices output names, and overlapping windows add up.
+    x = np.maximum(np.random.default_rng(3).standard_normal((1, 2, 5, 6)), 0).astype(f32)
+    x[0, 0, 1:3, 1:3] = 1.5
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    indices = ort_run(single_node("MaxPool", x, attrs, 18, ("y", "i")), {})["i"]
+
+    model, weights, _ = make_op_model("MaxPool", [("x", x)], attrs, opset=opset)
+    built = GradientGraphBuilder(model, weights, ["loss", "y0_proj"], "loss").build().model_proto
+    from onnx.reference import ReferenceEvaluator
+
+    for got in (ReferenceEvaluator(built).run(None, {}), list(ort_run(built, {}).values())):
+        _, proj, gx = got
+        expected = np.zeros(x.size, f32)
+        np.add.at(expected, indices.reshape(-1), proj.reshape(-1))
+        np.testing.assert_allclose(gx.reshape(-1), expected, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- AveragePool
+
+AVGPOOL = [
+    ("k3s2", X2, {"kernel_shape": [3, 3], "strides": [2, 2]}),
+    ("k3s2p1", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("k2s1p-asym", X2, {"kernel_shape": [2, 2], "pads": [1, 0, 0, 1]}),
+    ("k2s2-ceil", X2, {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
+    ("k3s2-ceil-pads", X2, {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 1, 0, 0], "ceil_mode": 1}),
+    ("same-upper", X2, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ("same-lower", X2, {"kernel_shape": [2, 3], "strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+    ("valid", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "VALID"}),
+    ("1d", (2, 4, 7), {"kernel_shape": [3], "strides": [2], "pads": [1, 1], "ceil_mode": 1}),
+    ("3d", (1, 2, 4, 5, 3), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 1], "pads": [0, 1, 0, 0, 0, 1]}),
+]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("case", AVGPOOL, ids=[c[0] for c in AVGPOOL])
+def test_average_pool(case, count_include_pad, opset, rng):
+    _, shape, attrs = case
+    check_pool("AveragePool", distinct(rng, *shape), {**attrs, "count_include_pad": count_include_pad}, opset)
+
+
+AVGPOOL_19 = [
+    ("dilations", X2, {"kernel_shape": [2, 3], "strides": [1, 2], "dilations": [2, 1], "pads": [1, 0, 0, 1]}),
+    ("dilations-ceil", X2, {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2], "ceil_mode": 1,
+                            "pads": [0, 1, 0, 0]}),
+    ("1d-dilations", (2, 4, 7), {"kernel_shape": [2], "strides": [2], "dilations": [3], "pads": [1, 1]}),
+]
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("case", AVGPOOL_19, ids=[c[0] for c in AVGPOOL_19])
+def test_average_pool_dilations_opset19(case, count_include_pad, rng):
+    _, shape, attrs = case
+    check_pool("AveragePool", distinct(rng, *shape), {**attrs, "count_include_pad": count_include_pad}, 19)
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1},
+    {"kernel_shape": [2, 3], "strides": [2, 2], "auto_pad": "SAME_LOWER"},
+], ids=["pads-ceil", "same-lower"])
+def test_average_pool_dynamic(attrs, count_include_pad, rng):
+    check_op("AveragePool", [("x", distinct(rng, *X2))], {**attrs, "count_include_pad": count_include_pad},
+             opset=18, weights_as="inputs", dims="dynamic")
+
+
+# ----------------------------------------------------------------------------- global pools
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("shape", [(2, 4, 7), X2, (1, 2, 3, 4, 2)], ids=["1d", "2d", "3d"])
+def test_global_average_pool(shape, opset, rng):
+    check_pool("GlobalAveragePool", distinct(rng, *shape), {}, opset)
+
+
+def test_global_average_pool_dynamic(rng):
+    check_op("GlobalAveragePool", [("x", distinct(rng, *X2))], weights_as="inputs", dims="dynamic")
+
+
+@pytest.fixture
+def fixed_global_max_pool(monkeypatch):
+    """onnx's reference GlobalMaxPool reduces the wrong axes unless there are two spatial axes."""
+    import onnx.reference as reference
+    from onnx.reference.op_run import OpRun
+
+    class GlobalMaxPool(OpRun):  # new_ops are matched by class name
+        op_domain = ""
+
+        def _run(self, x):
+            return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+    stock = reference.ReferenceEvaluator
+
+    class Evaluator(stock):
+        def __init__(self, proto, *args, new_ops=None, **kwargs):
+            super().__init__(proto, *args, new_ops=[*(new_ops or []), GlobalMaxPool], **kwargs)
+
+    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("shape", [(2, 4, 7), X2, (1, 2, 3, 4, 2)], ids=["1d", "2d", "3d"])
+def test_global_max_pool(shape, opset, rng, fixed_global_max_pool):
+    check_pool("GlobalMaxPool", distinct(rng, *shape), {}, opset)
+
+
+def test_global_max_pool_dynamic(rng):
+    check_op("GlobalMaxPool", [("x", distinct(rng, *X2))], weights_as="inputs", dims="dynamic")
+
+
+def test_global_max_pool_ties_shared():
+    x = np.array([[[[1.0, 3.0], [3.0, 2.0]]]], dtype=f32)
+    model, weights, _ = make_op_model("GlobalMaxPool", [("x", x)])
+    built = GradientGraphBuilder(model, weights, ["loss", "y0_proj"], "loss").build().model_proto
+    from onnx.reference import ReferenceEvaluator
+
+    _, proj, gx = ReferenceEvaluator(built).run(None, {})
+    p = proj.reshape(-1)[0]
+    np.testing.assert_allclose(gx, [[[[0.0, p / 2], [p / 2, 0.0]]]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("op,attrs", [
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("AveragePool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+], ids=["MaxPool", "AveragePool"])
+def test_float16(op, attrs, opset, rng):
+    # float16 on onnxruntime (MaxPool's scatter-add accumulates in float32 there)
+    x = distinct(rng, *X2).astype(np.float16)
+    check_op(op, [("x", x)], attrs, opset=opset, ort_rtol=1e-2, ort_atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- where the reference is wrong
+
+
+def ort_gradcheck(op, x, attrs, opset, seed=0, t=0.1, directions=4):
+    """Directional finite differences of the loss on onnxruntime itself (float32): for the
+    configurations where onnx's reference computes a different forward than onnxruntime and the
+    ONNX spec (ceil_mode windows overhanging by 2+, MaxPool SAME_LOWER, SAME with dilations).
+    Pooling is piecewise linear and the inputs are well separated, so small steps are exact up
+    to float32 rounding."""
+    rng = np.random.default_rng(seed)
+    y = ort_run(single_node(op, x, attrs, opset), {})["y"]
+    proj = rng.standard_normal(y.shape).astype(f32)
+    nodes = [helper.make_node(op, ["x"], ["y"], **attrs), helper.make_node("Mul", ["y", "proj"], ["m"]),
+             helper.make_node("ReduceSum", ["m"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])],
+                              [onnx.numpy_helper.from_array(proj, "proj")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    built = GradientGraphBuilder(model, ["x"], ["loss"], "loss").build().model_proto
+    grad = ort_run(built, {"x": x})["x_grad"].astype(np.float64)
+
+    def loss(v):
+        return float(ort_run(model, {"x": v.astype(f32)})["loss"])
+
+    for _ in range(directions):
+        d = rng.uniform(-1, 1, x.shape)
+        num = (loss(x + t * d) - loss(x - t * d)) / (2 * t)
+        assert abs(num - np.sum(grad * d)) <= 2e-3 * max(1.0, abs(num)), (op, attrs, num, np.sum(grad * d))
+    return grad
+
+
+ORT_ONLY = [
+    ("AveragePool", 18, {"kernel_shape": [3, 3], "strides": [3, 3], "ceil_mode": 1, "count_include_pad": 0}),
+    ("AveragePool", 18, {"kernel_shape": [3, 3], "strides": [3, 3], "ceil_mode": 1, "count_include_pad": 1,
+                         "pads": [1, 0, 0, 0]}),
+    ("MaxPool", 13, {"kernel_shape": [3, 3], "strides": [3, 3], "ceil_mode": 1}),
+    ("MaxPool", 18, {"kernel_shape": [3, 3], "strides": [3, 3], "ceil_mode": 1}),
+    ("MaxPool", 13, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+    ("MaxPool", 18, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+    ("MaxPool", 13, {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),  # stride 1 with padding
+    # all strides 1: the reference's Indices are off by one there (onnxruntime's are right)
+    ("MaxPool", 18, {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", 18, {"kernel_shape": [2, 3]}),
+    ("AveragePool", 19, {"kernel_shape": [2, 2], "strides": [1, 2], "dilations": [2, 3], "auto_pad": "VALID"}),
+    ("MaxPool", 13, {"kernel_shape": [2, 2], "strides": [1, 2], "dilations": [2, 3], "auto_pad": "VALID"}),
+]
+
+
+@pytest.mark.parametrize("op,opset,attrs", ORT_ONLY, ids=[f"{o}-{v}-{i}" for i, (o, v, _) in enumerate(ORT_ONLY)])
+def test_against_onnxruntime_forward(op, opset, attrs, rng):
+    ort_gradcheck(op, distinct(rng, 2, 3, 7, 7), attrs, opset)
+
+
+@pytest.mark.parametrize("op,opset", [("MaxPool", 13), ("AveragePool", 19)])
+def test_same_with_dilations_is_refused(op, opset, rng):
+    # the spec says out = ceil(in / stride); onnxruntime and the reference each compute another.
+    # (MaxPool at opset 16+ re-runs the node for Indices, which follows whatever the runtime does.)
+    from gradbuilder.errors import GradientRuleError
+
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 1], "dilations": [2, 2], "auto_pad": "SAME_UPPER"}
+    x = distinct(rng, *X2)
+    model, weights, _ = make_op_model(op, [("x", x)], attrs, opset=opset, weights_as="inputs", dims="dynamic")
+    with pytest.raises(GradientRuleError, match="dilations"):
+        GradientGraphBuilder(model, weights, ["loss"], "loss").build()
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("op,attrs", [
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}),
+    ("AveragePool", {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 1, 0, 0], "ceil_mode": 1}),
+    ("GlobalMaxPool", {}),
+], ids=["MaxPool", "AveragePool", "GlobalMaxPool"])
+def test_symbolic_batch(op, attrs, opset, rng):
+    from gradbuilder.testing import gradcheck
+
+    model, weights, feeds = make_op_model(op, [("x", distinct(rng, *X2))], attrs, opset=opset, weights_as="inputs")
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    report = gradcheck(model, weights, "loss", feeds)
+    assert report.passed, str(report)
+    got = ort_run(GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto, feeds)
+    np.testing.assert_allclose(got["x_grad"], report.gradients["x"], rtol=2e-3, atol=2e-3)
