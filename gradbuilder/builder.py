@@ -13,6 +13,7 @@ import onnx_ir as ir
 from . import modelio
 from .autodiff import differentiate
 from .errors import InvalidArgumentError, OutputError
+from .passes.canonicalize import split_to_sequence_as_split
 from .passes.cleanup import remove_unused_nodes
 from .passes.expose_masks import expose_dropout_masks
 from .registry import FLOAT_TYPES, Emitter, dims_of
@@ -72,6 +73,7 @@ class GradientGraphBuilder:
         stops = frozenset(values[n] for n in self._names_exist(self.stop_gradients, values, "stop_gradients"))
 
         e = Emitter(graph, opset)
+        split_to_sequence_as_split(graph, opset, e.unique)
         expose_dropout_masks(graph, e.unique)
         result = differentiate(graph, weights, loss, opset, e, stop_gradients=stops)
         if result.unreached:

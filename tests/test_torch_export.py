@@ -53,10 +53,21 @@ class CNN(nn.Module):
         return F.cross_entropy(self.fc(torch.flatten(h, 1)), y)
 
 
-@pytest.mark.parametrize("dynamo,opset", EXPORTERS)
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "dynamo,opset,train",
+    [
+        pytest.param(False, 17, True, id="torchscript-17-train"),
+        pytest.param(False, 17, False, id="torchscript-17-eval"),
+        # torch's dynamo exporter writes BatchNormalization in its inference form even for a
+        # module in training mode, so only the eval form is compared there
+        pytest.param(True, 18, False, id="dynamo-18-eval"),
+    ],
+)
 def test_cnn_batchnorm(dynamo, opset, train):
     m = CNN()
+    with torch.no_grad():  # distinct values: exporters deduplicate identical initializers
+        for t in list(m.parameters()) + [b for n, b in m.named_buffers() if "running" in n]:
+            t.add_(0.1 * torch.rand_like(t))
     m.train(train)
     x = torch.randn(4, 3, 16, 16)
     compare_with_torch(m, (x, torch.randint(0, 4, (4,))), ["x", "y"], dynamo=dynamo, opset=opset)
