@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import warnings
@@ -57,15 +58,41 @@ class GradientGraphBuilder:
         self.stop_gradients = list(stop_gradients)
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
-        self._proto: onnx.ModelProto | None = None
+        self._result: modelio.DetachedModel | None = None
 
     # ----------------------------------------------------------------------------- build
     def build(self) -> "GradientGraphBuilder":
+        # The IR makes millions of small objects and frees them all at the end; the cyclic
+        # collector's repeated full scans over them would cost more than the build itself.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._build()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _build(self) -> "GradientGraphBuilder":
         t0 = time.perf_counter()
-        proto = modelio.normalize(modelio.load_proto(self._source))
+        proto, weights_bytes = modelio.load_detached(self._source)
+        proto = modelio.normalize(proto)
         model = modelio.to_ir(proto)
         del proto
         t1 = time.perf_counter()
+        self._differentiate(model)
+        t2 = time.perf_counter()
+        _drop_inner_types(model.graph)
+        out = modelio.DetachedModel(ir.to_proto(model), weights_bytes)
+        del model
+        gc.collect()  # the IR is cyclic: free it now
+        out.check()
+        self._result = out
+        t3 = time.perf_counter()
+        self.timings = {"load": t1 - t0, "differentiate": t2 - t1, "serialize": t3 - t2}
+        return self
+
+    def _differentiate(self, model: ir.Model) -> None:
+        """Append the backward graph to ``model`` and set its inputs and outputs."""
         graph = model.graph
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx")
         values = _values_by_name(graph)
@@ -81,7 +108,7 @@ class GradientGraphBuilder:
             warnings.warn(
                 "these weights do not reach the loss and get a zero gradient: "
                 + ", ".join(result.unreached),
-                stacklevel=2,
+                stacklevel=3,
             )
         grad_outputs = _name_gradients(graph, e, weights, result.grads)
         for w in weights:
@@ -90,13 +117,6 @@ class GradientGraphBuilder:
         graph.outputs.clear()
         graph.outputs.extend(outputs + grad_outputs)
         remove_unused_nodes(model)
-        t2 = time.perf_counter()
-        out = ir.to_proto(model)
-        modelio.check(out)
-        self._proto = out
-        t3 = time.perf_counter()
-        self.timings = {"load": t1 - t0, "differentiate": t2 - t1, "serialize": t3 - t2}
-        return self
 
     def _names_exist(self, names, values, what):
         for n in names:
@@ -155,21 +175,34 @@ class GradientGraphBuilder:
         return weights, outputs, loss
 
     # ----------------------------------------------------------------------------- results
+    def _built(self) -> modelio.DetachedModel:
+        if self._result is None:
+            raise OutputError("call build() first")
+        return self._result
+
     @property
     def model_proto(self) -> onnx.ModelProto:
-        if self._proto is None:
-            raise OutputError("call build() first")
-        return self._proto
+        """The built model as a ModelProto (a fresh copy each time)."""
+        return self._built().to_proto()
 
     def get_model(self) -> bytes:
-        proto = self.model_proto
-        if proto.ByteSize() >= modelio.TWO_GB:
-            raise OutputError("the model is over 2 GB and cannot be one byte string; use save(path)")
-        return proto.SerializeToString()
+        """The built model, serialized."""
+        return self._built().to_bytes()
 
-    def save(self, path: str | os.PathLike) -> str:
-        modelio.save_atomic(self.model_proto, path)
+    def save(self, path: str | os.PathLike, external_data: bool | None = None) -> str:
+        """Write the built model atomically; tensors go to ``<path>.data`` over 2 GB."""
+        self._built().save(path, external_data)
         return str(path)
+
+
+def _drop_inner_types(graph: ir.Graph) -> None:
+    """Forget the types and shapes of intermediate values so no value_info is written: the
+    runtime infers them again, and the model is smaller and faster to serialize."""
+    for node in graph:
+        for v in node.outputs:
+            if not v.is_graph_output():
+                v.type = None
+                v.shape = None
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:

@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     except GradBuilderError as exc:
         print(f"gradbuilder: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -80,21 +80,8 @@ def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def infer_types(proto: onnx.ModelProto) -> None:
-    """Strict type and shape inference, in place, at any model size.
-
-    The raw bytes of large initializers are set aside while onnx infers (it needs only their
-    dims and types), so models over 2 GB are inferred too and no copy of the weights is made.
-    """
-    stash = {}
-    for i, t in enumerate(proto.graph.initializer):
-        if len(t.raw_data) > 4096:
-            stash[i] = t.raw_data
-            t.ClearField("raw_data")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
-    finally:
-        for i, raw in stash.items():
-            proto.graph.initializer[i].raw_data = raw
+    """Strict type and shape inference, in place (run on the weight-free skeleton)."""
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(inferred.graph.value_info)
     for ours, theirs in zip(proto.graph.output, inferred.graph.output):
@@ -108,44 +95,138 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
         raise InvalidModelError(f"the model could not be converted to the IR: {exc}") from exc
 
 
-def check(proto: onnx.ModelProto) -> None:
-    try:
-        if proto.ByteSize() < TWO_GB:
-            onnx.checker.check_model(proto, full_check=True)
-    except Exception as exc:
-        raise OutputError(f"the generated model failed onnx.checker: {exc}") from exc
+DETACH_BYTES = 1024
 
 
-def save_atomic(proto: onnx.ModelProto, path: str | os.PathLike, external_data: bool | None = None) -> None:
-    """Write ``proto`` to ``path``; nothing appears at ``path`` unless the whole write succeeds.
+def load_detached(model) -> tuple[onnx.ModelProto, dict[str, bytes]]:
+    """The model as a weight-free skeleton proto, and the raw bytes of its large initializers.
 
-    Models over 2 GB (or with ``external_data=True``) store tensors in ``<name>.data``
-    beside the model.
+    The whole pipeline (inference, IR, backward graph, output proto, checker) runs on the
+    skeleton, whose types and shapes are all still there; :func:`attach_weights` puts the
+    bytes back into the output. So no copy of the weights is made along the way, and the
+    skeleton is re-parsed so the memory the full proto held is returned at once.
     """
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise OutputError(f"output directory does not exist: '{directory}'")
-    size = proto.ByteSize() if external_data is None else 0
-    use_external = external_data if external_data is not None else size >= TWO_GB - 2**24
-    tmpdir = tempfile.mkdtemp(prefix=".gradbuilder-", dir=directory)
-    try:
-        tmp_model = Path(tmpdir) / path.name
-        data_name = path.name + ".data"
-        if use_external:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(proto)  # save_model rewrites tensors to point at the data file
-            onnx.save_model(copy, str(tmp_model), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name, size_threshold=0)
-            if (Path(tmpdir) / data_name).exists():
-                os.replace(Path(tmpdir) / data_name, directory / data_name)
-        else:
-            with open(tmp_model, "wb") as f:
-                f.write(proto.SerializeToString())
-        os.replace(tmp_model, path)
-    except OSError as exc:
-        raise OutputError(f"could not write '{path}': {exc}") from exc
-    finally:
-        for leftover in Path(tmpdir).glob("*"):
-            leftover.unlink()
-        os.rmdir(tmpdir)
+    proto = load_proto(model)
+    stash = {}
+    for t in proto.graph.initializer:
+        if len(t.raw_data) >= DETACH_BYTES:
+            stash[t.name] = t.raw_data
+            t.ClearField("raw_data")
+    if not stash:
+        return proto, stash
+    skeleton = onnx.ModelProto.FromString(proto.SerializeToString())
+    return skeleton, stash
+
+
+class DetachedModel:
+    """A model held as a weight-free skeleton proto plus the raw bytes of its large tensors.
+
+    Written out without ever assembling the full proto: the skeleton (large initializers
+    left out) is serialized first, then one ``ModelProto{graph{initializer}}`` record per
+    large tensor. Protobuf parsers merge repeated occurrences of a message field, so the
+    result parses to the same model, and memory stays at one copy of the weights.
+    """
+
+    def __init__(self, skeleton: onnx.ModelProto, weights: dict[str, bytes]):
+        self.skeleton = skeleton
+        self.weights = weights
+
+    def byte_size(self) -> int:
+        return self.skeleton.ByteSize() + sum(len(b) + 64 for b in self.weights.values())
+
+    def _split(self):
+        """(skeleton without the detached initializers, [their metadata tensors])."""
+        head = onnx.ModelProto()
+        head.CopyFrom(self.skeleton)
+        big = [t for t in head.graph.initializer if t.name in self.weights]
+        small = [t for t in head.graph.initializer if t.name not in self.weights]
+        big = [_copy(t) for t in big]
+        del head.graph.initializer[:]
+        head.graph.initializer.extend(small)
+        return head, big
+
+    def _chunks(self):
+        head, big = self._split()
+        yield head.SerializeToString()
+        for meta in big:
+            t = _copy(meta)
+            t.raw_data = self.weights[meta.name]
+            record = onnx.ModelProto()
+            record.graph.initializer.append(t)
+            del t
+            yield record.SerializeToString()
+
+    def to_bytes(self) -> bytes:
+        if self.byte_size() >= TWO_GB:
+            raise OutputError("the model is over 2 GB and cannot be one byte string; use save(path)")
+        return b"".join(self._chunks())
+
+    def to_proto(self) -> onnx.ModelProto:
+        full = onnx.ModelProto()
+        full.CopyFrom(self.skeleton)
+        for t in full.graph.initializer:
+            raw = self.weights.get(t.name)
+            if raw is not None:
+                t.raw_data = raw
+        return full
+
+    def check(self) -> None:
+        """onnx.checker with full_check; detached initializers are checked as typed inputs."""
+        head, big = self._split()
+        inputs = {i.name for i in head.graph.input}
+        for t in big:
+            if t.name not in inputs:
+                head.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        try:
+            onnx.checker.check_model(head, full_check=True)
+        except Exception as exc:
+            raise OutputError(f"the generated model failed onnx.checker: {exc}") from exc
+
+    def save(self, path: str | os.PathLike, external_data: bool | None = None) -> None:
+        """Write to ``path`` atomically: nothing appears there unless the whole write succeeds.
+
+        Models over 2 GB (or with ``external_data=True``) keep their large tensors in
+        ``<name>.data`` beside the model, as onnx's external data.
+        """
+        path = Path(path)
+        directory = path.parent if str(path.parent) else Path(".")
+        if not directory.is_dir():
+            raise OutputError(f"output directory does not exist: '{directory}'")
+        use_external = external_data if external_data is not None else self.byte_size() >= TWO_GB - 2**24
+        tmpdir = tempfile.mkdtemp(prefix=".gradbuilder-", dir=directory)
+        try:
+            tmp_model = Path(tmpdir) / path.name
+            data_name = path.name + ".data"
+            if use_external:
+                head, big = self._split()
+                with open(Path(tmpdir) / data_name, "wb") as data:
+                    for meta in big:
+                        offset = data.tell()
+                        data.write(self.weights[meta.name])
+                        meta.data_location = onnx.TensorProto.EXTERNAL
+                        for key, value in (("location", data_name), ("offset", str(offset)),
+                                           ("length", str(len(self.weights[meta.name])))):
+                            entry = meta.external_data.add()
+                            entry.key, entry.value = key, value
+                head.graph.initializer.extend(big)
+                with open(tmp_model, "wb") as f:
+                    f.write(head.SerializeToString())
+                if big:
+                    os.replace(Path(tmpdir) / data_name, directory / data_name)
+            else:
+                with open(tmp_model, "wb") as f:
+                    for chunk in self._chunks():
+                        f.write(chunk)
+            os.replace(tmp_model, path)
+        except OSError as exc:
+            raise OutputError(f"could not write '{path}': {exc}") from exc
+        finally:
+            for leftover in Path(tmpdir).glob("*"):
+                leftover.unlink()
+            os.rmdir(tmpdir)
+
+
+def _copy(t: onnx.TensorProto) -> onnx.TensorProto:
+    out = onnx.TensorProto()
+    out.CopyFrom(t)
+    return out

@@ -144,13 +144,7 @@ def dims_of(value: ir.Value) -> tuple | None:
     shape = value.shape
     if shape is None:
         return None
-    out = []
-    for d in shape:
-        if isinstance(d, int):
-            out.append(d)
-        else:
-            out.append(d.value if getattr(d, "value", None) else None)
-    return tuple(out)
+    return tuple(d if isinstance(d, int) else (d.value or None) for d in shape.dims)
 
 
 def _bcast_dim(a, b):
@@ -243,9 +237,7 @@ class Emitter:
     def op(self, op_type: str, *inputs, domain: str = "", outputs: int = 1, name: str | None = None, **attrs):
         """Emit one node; returns its output value (or a tuple when ``outputs`` > 1)."""
         ins = [self._as_value(x) for x in inputs]
-        attributes = ir.convenience.convert_attributes(
-            {k: v for k, v in attrs.items() if v is not None}
-        )
+        attributes = [_attr(k, v) for k, v in attrs.items() if v is not None]
         hint = f"{self.scope}{op_type}" if self.scope else op_type
         node = ir.Node(
             domain,
@@ -394,9 +386,12 @@ class Emitter:
             if static:
                 if not axes:
                     return grad
-                out = self.reduce("ReduceSum", grad, axes, keepdims=True)
-                if lead:
-                    out = self.squeeze(out, list(range(lead)))
+                if len(axes) == lead:  # only leading axes: one ReduceSum without keepdims
+                    out = self.reduce("ReduceSum", grad, axes, keepdims=False)
+                else:
+                    out = self.reduce("ReduceSum", grad, axes, keepdims=True)
+                    if lead:
+                        out = self.squeeze(out, list(range(lead)))
                 self._set(out, like.dtype, x)
                 return out
         return self._unbroadcast_dynamic(grad, like)
@@ -504,6 +499,26 @@ class Emitter:
             outs = node.outputs if op == "Split" else node.outputs[:1]
             for o in outs:
                 self._set(o, first.dtype, None)
+
+
+def _attr(name: str, v) -> ir.Attr:
+    """A Python value as an ONNX attribute (the types rules use), without protocol checks."""
+    if isinstance(v, bool) or isinstance(v, (int, np.integer)):
+        return ir.AttrInt64(name, int(v))
+    if isinstance(v, (float, np.floating)):
+        return ir.AttrFloat32(name, float(v))
+    if isinstance(v, str):
+        return ir.AttrString(name, v)
+    if isinstance(v, (list, tuple)):
+        if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v):
+            return ir.AttrInt64s(name, [int(x) for x in v])
+        if all(isinstance(x, (int, float, np.number)) for x in v):
+            return ir.AttrFloat32s(name, [float(x) for x in v])
+        if all(isinstance(x, str) for x in v):
+            return ir.AttrStrings(name, list(v))
+    if isinstance(v, ir.Attr):
+        return v
+    return ir.convenience.convert_attribute(name, v)
 
 
 def _collect_names(graph: ir.Graph) -> set[str]:

@@ -79,7 +79,7 @@ def matmul(n, dys, needs, e):
             # contraction instead of materialising one (k, m) product per batch element.
             a_flat = e.Reshape(a, _flat_shape(e, a))
             dy_flat = e.Reshape(dy2, _flat_shape(e, dy2))
-            db = e.MatMul(e.Transpose(a_flat, perm=[1, 0]), dy_flat)
+            db = e.Gemm(a_flat, dy_flat, transA=1)
         else:
             g = e.MatMul(_swap_last(e, a, ra), dy2)  # (batch..., k, m or 1)
             if rb == 1:

@@ -79,15 +79,48 @@ def test_save_is_atomic_and_loadable(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"]
 
 
-def test_save_external_data(tmp_path):
-    from gradbuilder import modelio
+def big_model():
+    """A model whose weights are large enough to be held apart from the graph while building."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("MatMul", ["t", "W2"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    inits = [tensor("W1", rng.standard_normal((16, 64)).astype(np.float32)),
+             tensor("W2", rng.standard_normal((64, 8)).astype(np.float32)),
+             tensor("unused_big", rng.standard_normal((32, 32)).astype(np.float32))]
+    return make_model(nodes, [vi("x", ["batch", 16])], [vi("loss", [])], inits)
 
-    b = GradientGraphBuilder(linear_model(), ["W"], ["loss"], "loss").build()
-    path = tmp_path / "ext.onnx"
-    modelio.save_atomic(b.model_proto, path, external_data=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ext.onnx", "ext.onnx.data"]
-    got = run_ort(str(path), {"x": x_batch()})
-    np.testing.assert_allclose(got["W_grad"], expected_linear(linear_model(), x_batch())[0], rtol=1e-5, atol=1e-5)
+
+def expected_big(model, x):
+    w1, w2 = init(model, "W1"), init(model, "W2")
+    t = np.tanh(x @ w1)
+    dt = np.ones((x.shape[0], 8), np.float32) @ w2.T
+    return x.T @ (dt * (1 - t * t)), t.T @ np.ones((x.shape[0], 8), np.float32)
+
+
+@pytest.mark.parametrize("how", ["bytes", "file", "external"])
+def test_large_weights_round_trip(how, tmp_path):
+    model = big_model()
+    b = GradientGraphBuilder(model, ["W1", "W2"], ["loss"], "loss").build()
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    path = tmp_path / "m.onnx"
+    if how == "bytes":
+        src = b.get_model()
+        parsed = onnx.load_from_string(src)
+    else:
+        b.save(path, external_data=(how == "external"))
+        expected_files = ["m.onnx", "m.onnx.data"] if how == "external" else ["m.onnx"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == expected_files
+        src = str(path)
+        parsed = onnx.load(src)
+    onnx.checker.check_model(parsed, full_check=True)
+    full = b.model_proto
+    assert {t.name: numpy_helper.to_array(t).tobytes() for t in parsed.graph.initializer} == \
+        {t.name: numpy_helper.to_array(t).tobytes() for t in full.graph.initializer}
+    assert [n.SerializeToString() for n in parsed.graph.node] == [n.SerializeToString() for n in full.graph.node]
+    got = run_ort(src if how != "bytes" else src, {"x": x})
+    g1, g2 = expected_big(model, x)
+    np.testing.assert_allclose(got["W1_grad"], g1, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["W2_grad"], g2, rtol=1e-4, atol=1e-4)
 
 
 def test_weight_through_cast_and_identity_and_multiple_consumers():

@@ -1,11 +1,20 @@
-"""Build-time benchmark: gradient graphs of generated transformer models of ~5k/10k/20k nodes.
+"""Build-time benchmark: gradient graphs of transformer models of ~5k/10k/20k nodes.
+
+Two kinds of generated model:
+- ``exported`` (default): a torch ``nn.TransformerEncoder`` classifier (vocab 8000, d 256,
+  4 heads, feed-forward 1024, dropout 0.1, cross-entropy loss inside) exported by torch's
+  TorchScript exporter at opset 17 in training mode with dynamic batch and sequence axes —
+  the graph users hand us, shape computations included. Needs torch.
+- ``synthetic``: the same architecture written directly with onnx.helper at d 64, with
+  static reshapes, so nearly every node is differentiable: a stress test of the walk.
 
 Each size runs in a fresh subprocess so peak memory (ru_maxrss) is that build's alone.
-Reports load / differentiate / serialize times, total, peak RSS and the ratio of peak RSS to
-the model file size, and the growth of time per node between sizes.
+Reports load / differentiate / serialize times, total, peak RSS against the target
+(3 x model file size + 200 MB), and the growth of time per node between sizes.
 
-    python tools/bench_build.py                  # 5k, 10k, 20k nodes
-    python tools/bench_build.py --nodes 20000    # one size
+    python tools/bench_build.py                      # exported, 5k, 10k, 20k nodes
+    python tools/bench_build.py --kind synthetic
+    python tools/bench_build.py --nodes 20000
 """
 
 from __future__ import annotations
@@ -93,10 +102,55 @@ def make_transformer(layers: int, d: int = 64, heads: int = 4, ff: int = 128, se
     return model
 
 
-def layers_for(nodes: int) -> int:
-    per_layer = len(make_transformer(2).graph.node) - len(make_transformer(1).graph.node)
-    base = len(make_transformer(1).graph.node) - per_layer
-    return max(1, round((nodes - base) / per_layer))
+def export_transformer(layers: int) -> onnx.ModelProto:
+    """torch's TorchScript export of an nn.TransformerEncoder classifier with its loss inside."""
+    import io
+    import warnings
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8000, 256)
+            layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(256, 10)
+
+        def forward(self, tokens, labels):
+            return F.cross_entropy(self.head(self.enc(self.emb(tokens)).mean(1)), labels)
+
+    torch.manual_seed(0)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Classifier().train(), (torch.randint(0, 8000, (2, 16)), torch.randint(0, 10, (2,))), f,
+                          dynamo=False, opset_version=17, input_names=["tokens", "labels"], output_names=["loss"],
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          dynamic_axes={"tokens": {0: "batch", 1: "seq"}, "labels": {0: "batch"}})
+    return onnx.load_from_string(f.getvalue())
+
+
+def make(kind: str, layers: int) -> onnx.ModelProto:
+    return export_transformer(layers) if kind == "exported" else make_transformer(layers)
+
+
+def layers_for(kind: str, nodes: int) -> int:
+    one, two = len(make(kind, 1).graph.node), len(make(kind, 2).graph.node)
+    per_layer = two - one
+    return max(1, round((nodes - (one - per_layer)) / per_layer))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: after fork+exec, ru_maxrss
+    still carries the parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _child(path: str) -> None:
@@ -106,21 +160,21 @@ def _child(path: str) -> None:
 
     t0 = time.perf_counter()
     weights = float_initializers(path)
-    weights = [w for w in weights if w not in ("scale", "half", "one", "sqrt2")]
+    weights = [w for w in weights if w not in ("scale", "half", "one", "sqrt2")]  # synthetic constants
     b = GradientGraphBuilder(path, weights=weights, outputs=["loss"], loss="loss").build()
     out = path + ".grad.onnx"
     t1 = time.perf_counter()
     b.save(out)
     t2 = time.perf_counter()
-    fwd_nodes = len(onnx.load(path, load_external_data=False).graph.node)
+    peak = _peak_rss_mb()  # before the counting below
     result = {
-        "forward_nodes": fwd_nodes,
-        "output_nodes": len(b.model_proto.graph.node),
+        "forward_nodes": len(onnx.load(path).graph.node),
+        "output_nodes": len(onnx.load(out).graph.node),
         "load_s": b.timings["load"],
         "differentiate_s": b.timings["differentiate"],
         "serialize_s": b.timings["serialize"] + (t2 - t1),
         "total_s": t2 - t0,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak,
         "model_mb": os.path.getsize(path) / 2**20,
     }
     print(json.dumps(result))
@@ -129,6 +183,7 @@ def _child(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[5000, 10000, 20000])
+    ap.add_argument("--kind", choices=["exported", "synthetic"], default="exported")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -138,11 +193,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.nodes:
             path = os.path.join(tmp, f"transformer_{n}.onnx")
-            onnx.save(make_transformer(layers_for(n)), path)
+            onnx.save(make(args.kind, layers_for(args.kind, n)), path)
             out = subprocess.run([sys.executable, __file__, "--child", path], capture_output=True, text=True)
             if out.returncode != 0:
                 sys.exit(f"build of {n}-node model failed:\n{out.stderr}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"kind: {args.kind}")
     print(f"{'fwd nodes':>9} {'out nodes':>9} {'load s':>7} {'diff s':>7} {'ser s':>7} {'total s':>8} "
           f"{'model MB':>9} {'peak MB':>8} {'peak/(3*model+200)':>19} {'us/node':>8}")
     for r in rows:
