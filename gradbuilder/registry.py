@@ -70,11 +70,11 @@ def load_rules() -> None:
     global _LOADED
     if _LOADED:
         return
-    _LOADED = True
     from gradbuilder import rules
 
     for info in pkgutil.iter_modules(rules.__path__):
         importlib.import_module(f"gradbuilder.rules.{info.name}")
+    _LOADED = True
 
 
 def lookup(domain: str, op_type: str, opset: int) -> RuleEntry | None:

@@ -241,6 +241,29 @@ def gradcheck(
     return GradcheckReport(checks, loss_value, grads)
 
 
+# ----------------------------------------------------------------------------- onnxruntime
+
+
+def ort_session(model, providers=("CPUExecutionProvider",)):
+    """A quiet onnxruntime session for a ModelProto, serialized bytes or a path."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=list(providers))
+
+
+def run_onnxruntime(model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run ``model`` on onnxruntime's CPU provider: output name -> value. Feeds the model
+    does not take are ignored; weights with initializer defaults can be fed."""
+    sess = ort_session(model)
+    wanted = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
+    out = sess.run(None, {k: v for k, v in feeds.items() if k in wanted})
+    return dict(zip([o.name for o in sess.get_outputs()], out))
+
+
 # ----------------------------------------------------------------------------- single op
 
 
@@ -360,14 +383,8 @@ def check_op(
     if not report.passed:
         raise AssertionError(f"{op_type} opset {opset} {dict(attrs or {})}:\n{report}")
     if ort:
-        import onnxruntime as ort_
-
         m32 = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
-        so = ort_.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort_.InferenceSession(m32, so, providers=["CPUExecutionProvider"])
-        run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
-        got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
+        got = run_onnxruntime(m32, feeds)
         for w in weights:
             ref = report.gradients[w]
             g = np.asarray(got[f"{w}_grad"], dtype=np.float64)

@@ -1,7 +1,6 @@
 """Small models built with onnx.helper for the builder tests."""
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 

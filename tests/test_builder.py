@@ -2,21 +2,17 @@ import warnings
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import gradcheck
+from gradbuilder.testing import gradcheck, run_onnxruntime
 
 from .helpers import linear_model, make_model, tensor, vi
 
 
-def run_ort(model_bytes, feeds):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+def run_ort(model, feeds):
+    return run_onnxruntime(model, feeds)
 
 
 def x_batch(n=5):

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.testing import gradcheck

@@ -7,10 +7,10 @@ import warnings
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
 
 from gradbuilder import GradientGraphBuilder
+from gradbuilder.testing import run_onnxruntime
 
 
 def export(module: torch.nn.Module, args: tuple, input_names: list[str], *, dynamo: bool, opset: int,
@@ -38,11 +38,7 @@ def export(module: torch.nn.Module, args: tuple, input_names: list[str], *, dyna
 
 def ort_gradients(model: onnx.ModelProto, weights: list[str], feeds: dict[str, np.ndarray]):
     built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(built, so, providers=["CPUExecutionProvider"])
-    wanted = {i.name for i in sess.get_inputs()}
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
+    out = run_onnxruntime(built, feeds)
     return out["loss"], {w: out[f"{w}_grad"] for w in weights}
 
 

@@ -5,7 +5,7 @@ from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_op, make_op_model
+from gradbuilder.testing import check_op, make_op_model, run_onnxruntime
 
 f32 = np.float32
 
@@ -15,13 +15,7 @@ def arr(rng, *shape):
 
 
 def ort_run(model, feeds):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items() if k in names})))
+    return run_onnxruntime(model, feeds)
 
 
 def assert_forward_agrees(op, inputs, attrs, opset):

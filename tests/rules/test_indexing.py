@@ -1,10 +1,10 @@
 import numpy as np
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, gradcheck, make_op_model
+from gradbuilder.testing import check_op, make_op_model
+
+from .harness import check_graph_ints, check_unknown_rank, ort_gradcheck
 
 f32 = np.float32
 BIG = 2**63 - 1
@@ -15,103 +15,6 @@ def arr(rng, *shape):
 
 
 # ----------------------------------------------------------------------------- harness
-
-
-def _ort_grads(model, weights, feeds):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
-    sess = ort.InferenceSession(built, so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
-    return sess, dict(zip(names, sess.run(None, run_feeds)))
-
-
-def check_graph_ints(op, inputs, attrs=None, *, graph_ints, opset, static_last=False, **kw):
-    """check_op, with the integer inputs ``graph_ints`` as graph inputs of unknown size
-    (not constants) so that the rule must read them at run time; ``static_last`` keeps
-    their last dim known (GatherND's tuple length)."""
-    model, weights, feeds = make_op_model(op, inputs, attrs, opset=opset, **kw)
-    for t in list(model.graph.initializer):
-        if t.name in graph_ints:
-            value = numpy_helper.to_array(t)
-            model.graph.initializer.remove(t)
-            dims = [None] * value.ndim
-            if static_last:
-                dims[-1] = value.shape[-1]
-            model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, dims))
-            feeds[t.name] = value
-    report = gradcheck(model, weights, "loss", feeds)
-    assert report.passed, str(report)
-    _, got = _ort_grads(model, weights, feeds)
-    for w in weights:
-        ref = report.gradients[w]
-        np.testing.assert_allclose(got[f"{w}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
-
-
-def check_unknown_rank(op, inputs, attrs=None, *, opset, num_outputs=1):
-    """The first float input reaches the op through a Reshape to a shape given at run time,
-    so shape inference knows neither its dims nor its rank (as in torch's exported
-    multi-head attention); the op's outputs are flattened before the loss."""
-    model, weights, _ = make_op_model(op, inputs, attrs, opset=opset, num_outputs=num_outputs)
-    w = weights[0]
-    inits = {t.name: t for t in model.graph.initializer}
-    node = model.graph.node[0]
-    node.input[list(node.input).index(w)] = f"{w}_r"
-    nodes = [helper.make_node("Reshape", [w, "shape"], [f"{w}_r"]), node]
-    terms = []
-    for i in range(num_outputs):
-        proj = numpy_helper.to_array(inits.pop(f"y{i}_proj")).reshape(-1)
-        inits[f"p{i}"] = numpy_helper.from_array(proj, f"p{i}")
-        nodes += [helper.make_node("Reshape", [f"y{i}", "flat"], [f"f{i}"]),
-                  helper.make_node("Mul", [f"f{i}", f"p{i}"], [f"m{i}"]),
-                  helper.make_node("ReduceSum", [f"m{i}"], [f"s{i}"], keepdims=0)]
-        terms.append(f"s{i}")
-    nodes.append(helper.make_node("Sum", terms, ["loss"]))
-    inits["flat"] = numpy_helper.from_array(np.array([-1]), "flat")
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("shape", TensorProto.INT64, [None])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], list(inits.values()))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10
-    feeds = {"shape": np.array(numpy_helper.to_array(inits[w]).shape, dtype=np.int64)}
-    report = gradcheck(model, weights, "loss", feeds)
-    assert report.passed, str(report)
-    _, got = _ort_grads(model, weights, feeds)
-    for name in weights:
-        ref = report.gradients[name]
-        np.testing.assert_allclose(got[f"{name}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
-
-
-def ort_gradcheck(op, inputs, attrs=None, *, opset, eps=1e-6):
-    """Gradcheck on onnxruntime alone (float64), for op forms onnx's reference evaluator
-    cannot run. ``inputs``: (name, array); float arrays are the weights."""
-    ints = {n: a for n, a in inputs if a.dtype.kind != "f"}
-    floats = {n: a.astype(np.float64) for n, a in inputs if a.dtype.kind == "f"}
-    node = helper.make_node(op, [n for n, _ in inputs], ["y"], **dict(attrs or {}))
-    vi = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, list(a.shape)) for n, a in floats.items()]
-    inits = [numpy_helper.from_array(a, n) for n, a in ints.items()]
-    probe = helper.make_model(helper.make_graph([node], "p", vi, [helper.make_empty_tensor_value_info("y")], inits),
-                              opset_imports=[helper.make_opsetid("", opset)])
-    probe.ir_version = 10
-    y = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, floats)[0]
-    proj = np.random.default_rng(7).standard_normal(y.shape)
-    nodes = [node, helper.make_node("Mul", ["y", "proj"], ["m"]), helper.make_node("ReduceSum", ["m"], ["loss"], keepdims=0)]
-    model = helper.make_model(
-        helper.make_graph(nodes, "g", vi, [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-                          inits + [numpy_helper.from_array(proj, "proj")]),
-        opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10
-    sess, got = _ort_grads(model, list(floats), floats)
-    for w, base in floats.items():
-        num = np.zeros_like(base)
-        for i in range(base.size):
-            plus, minus = base.copy().reshape(-1), base.copy().reshape(-1)
-            plus[i] += eps
-            minus[i] -= eps
-            lp = sess.run(["loss"], {**floats, w: plus.reshape(base.shape)})[0]
-            lm = sess.run(["loss"], {**floats, w: minus.reshape(base.shape)})[0]
-            num.reshape(-1)[i] = (lp - lm) / (2 * eps)
-        np.testing.assert_allclose(got[f"{w}_grad"], num, rtol=1e-5, atol=1e-7)
 
 
 def grad_op_types(op, inputs, attrs=None, **kw):

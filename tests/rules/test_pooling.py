@@ -4,7 +4,7 @@ import pytest
 from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, make_op_model
+from gradbuilder.testing import check_op, make_op_model, run_onnxruntime
 
 f32 = np.float32
 
@@ -16,13 +16,7 @@ def distinct(rng, *shape):
 
 
 def ort_run(model, feeds):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items() if k in names})))
+    return run_onnxruntime(model, feeds)
 
 
 def single_node(op, x, attrs, opset, outputs=("y",)):
