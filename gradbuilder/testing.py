@@ -80,7 +80,29 @@ def to_float64(model) -> onnx.ModelProto:
     proto = modelio.load_proto(model)
     del proto.graph.value_info[:]
     _graph64(proto.graph)
+    _outputs_as_inferred(proto)
     return proto
+
+
+def _outputs_as_inferred(proto: onnx.ModelProto) -> None:
+    """Graph outputs take the types inference gives: an op may keep a float32 output in a
+    float64 model (LayerNormalization's Mean/InvStdDev follow stash_type, not the input)."""
+    produced = {o for n in proto.graph.node for o in n.output}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(proto)
+    for out in probe.graph.output:
+        if out.name in produced:
+            out.type.tensor_type.elem_type = 0
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe)
+    except Exception:
+        return
+    types = {o.name: o.type.tensor_type.elem_type for o in inferred.graph.output}
+    types.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info})
+    for out in proto.graph.output:
+        t = types.get(out.name, 0)
+        if t and out.name in produced and out.type.tensor_type.elem_type != t:
+            out.type.tensor_type.elem_type = t
 
 
 # ----------------------------------------------------------------------------- gradcheck

@@ -1,0 +1,283 @@
+"""Elementwise math and activations not covered elsewhere: the trigonometric and hyperbolic
+functions and their inverses, Celu Mish ThresholdedRelu Shrink PRelu Swish Mod, the piecewise
+constant ops Floor Ceil Round Sign Hardmax, CumProd and Det.
+
+Each elementwise rule is ``dx = dy * f'(x)``. Masks pick the branch of piecewise ops; at a
+kink the gradient follows the branch the spec's strict comparison selects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradbuilder.errors import GradientRuleError
+from gradbuilder.registry import attr, constant_of, dims_of, register
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _c(e, value, like):
+    return e.scalar(value, like=like)
+
+
+def _keep(e, cond, v):
+    """``v`` where ``cond``, else 0. (Where takes bfloat16 from opset 16 only, but none of the
+    ops using it here takes bfloat16 before that.)"""
+    return e.Where(cond, v, _c(e, 0.0, v))
+
+
+def _one_minus_sq(e, x):
+    """1 - x^2"""
+    return e.Sub(_c(e, 1.0, x), e.Mul(x, x))
+
+
+def _rank(n, *values) -> int:
+    for v in values:
+        d = dims_of(v) if v is not None else None
+        if d is not None:
+            return len(d)
+    raise GradientRuleError(f"{n.op_type}: the rank of the input is unknown; give the model's inputs a shape")
+
+
+# ----------------------------------------------------------------------------- trigonometric
+
+
+@register("Sin")
+def sin(n, dys, needs, e):
+    """dx = dy * cos(x)"""
+    return (e.Mul(dys[0], e.Cos(n.inputs[0])),)
+
+
+@register("Cos")
+def cos(n, dys, needs, e):
+    """dx = -dy * sin(x)"""
+    return (e.Neg(e.Mul(dys[0], e.Sin(n.inputs[0]))),)
+
+
+@register("Tan")
+def tan(n, dys, needs, e):
+    """dx = dy * (1 + y^2)"""
+    (y,) = n.outputs
+    return (e.Mul(dys[0], e.Add(_c(e, 1.0, y), e.Mul(y, y))),)
+
+
+@register("Asin")
+def asin(n, dys, needs, e):
+    """dx = dy / sqrt(1 - x^2)"""
+    return (e.Div(dys[0], e.Sqrt(_one_minus_sq(e, n.inputs[0]))),)
+
+
+@register("Acos")
+def acos(n, dys, needs, e):
+    """dx = -dy / sqrt(1 - x^2)"""
+    return (e.Neg(e.Div(dys[0], e.Sqrt(_one_minus_sq(e, n.inputs[0])))),)
+
+
+@register("Atan")
+def atan(n, dys, needs, e):
+    """dx = dy / (1 + x^2)"""
+    (x,) = n.inputs
+    return (e.Div(dys[0], e.Add(_c(e, 1.0, x), e.Mul(x, x))),)
+
+
+@register("Sinh")
+def sinh(n, dys, needs, e):
+    """dx = dy * cosh(x)"""
+    return (e.Mul(dys[0], e.Cosh(n.inputs[0])),)
+
+
+@register("Cosh")
+def cosh(n, dys, needs, e):
+    """dx = dy * sinh(x)"""
+    return (e.Mul(dys[0], e.Sinh(n.inputs[0])),)
+
+
+@register("Asinh")
+def asinh(n, dys, needs, e):
+    """dx = dy / sqrt(x^2 + 1)"""
+    (x,) = n.inputs
+    return (e.Div(dys[0], e.Sqrt(e.Add(e.Mul(x, x), _c(e, 1.0, x)))),)
+
+
+@register("Acosh")
+def acosh(n, dys, needs, e):
+    """dx = dy / sqrt(x^2 - 1)   (x > 1)"""
+    (x,) = n.inputs
+    return (e.Div(dys[0], e.Sqrt(e.Sub(e.Mul(x, x), _c(e, 1.0, x)))),)
+
+
+@register("Atanh")
+def atanh(n, dys, needs, e):
+    """dx = dy / (1 - x^2)   (|x| < 1)"""
+    return (e.Div(dys[0], _one_minus_sq(e, n.inputs[0])),)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@register("Celu")
+def celu(n, dys, needs, e):
+    """y = max(0, x) + min(0, alpha (exp(x/alpha) - 1)):
+    dx = dy * exp(min(x, 0) / alpha)   (1 for x > 0, exp(x/alpha) for x <= 0)"""
+    (x,) = n.inputs
+    alpha = attr(n, "alpha", 1.0)
+    return (e.Mul(dys[0], e.Exp(e.Div(e.Min(x, _c(e, 0.0, x)), _c(e, alpha, x)))),)
+
+
+@register("Mish")
+def mish(n, dys, needs, e):
+    """y = x tanh(softplus(x)):  dx = dy * (t + x (1 - t^2) sigmoid(x)),  t = tanh(softplus(x))"""
+    (x,) = n.inputs
+    t = e.Tanh(e.Softplus(x))
+    return (e.Mul(dys[0], e.Add(t, e.Mul(e.Mul(x, _one_minus_sq(e, t)), e.Sigmoid(x)))),)
+
+
+@register("ThresholdedRelu")
+def thresholded_relu(n, dys, needs, e):
+    """y = x (x > alpha), 0 otherwise:  dx = dy where x > alpha, else 0"""
+    (x,) = n.inputs
+    return (_keep(e, e.Greater(x, _c(e, attr(n, "alpha", 1.0), x)), dys[0]),)
+
+
+@register("Shrink")
+def shrink(n, dys, needs, e):
+    """y = x - bias (x > lambd), x + bias (x < -lambd), 0 otherwise:
+    dx = dy where |x| > lambd, else 0"""
+    (x,) = n.inputs
+    lambd = attr(n, "lambd", 0.5)
+    outside = e.Or(e.Greater(x, _c(e, lambd, x)), e.Less(x, _c(e, -lambd, x)))
+    return (_keep(e, outside, dys[0]),)
+
+
+@register("PRelu")
+def prelu(n, dys, needs, e):
+    """y = slope x (x < 0), x (x >= 0), slope broadcast unidirectionally to x:
+    dx = dy * slope where x < 0, else dy;  dslope = unbroadcast(dy * x where x < 0)"""
+    x, slope = n.inputs
+    (dy,) = dys
+    neg = e.Less(x, _c(e, 0.0, x))
+    dx = e.Where(neg, e.Mul(dy, slope), dy) if needs[0] else None
+    dslope = e.unbroadcast(_keep(e, neg, e.Mul(dy, x)), slope) if needs[1] else None
+    return dx, dslope
+
+
+@register("Swish", since=24)
+def swish(n, dys, needs, e):
+    """y = x sigmoid(alpha x):  dx = dy * (s + alpha y (1 - s)),  s = sigmoid(alpha x)"""
+    (x,) = n.inputs
+    (y,) = n.outputs
+    alpha = _c(e, attr(n, "alpha", 1.0), x)
+    s = e.Sigmoid(e.Mul(alpha, x))
+    return (e.Mul(dys[0], e.Add(s, e.Mul(e.Mul(alpha, y), e.Sub(_c(e, 1.0, s), s)))),)
+
+
+@register("Mod")
+def mod(n, dys, needs, e):
+    """Floats: z = a - q b with q = trunc(a/b) (fmod=1) or floor(a/b) (fmod=0; onnxruntime
+    refuses floats there, the spec's reference computes it). q is piecewise constant:
+    da = dy, db = -dy * q. q is read off the output, q = round((a - z) / b), so it is the
+    exact integer the forward used."""
+    a, b = n.inputs
+    (z,) = n.outputs
+    (dy,) = dys
+    da = e.unbroadcast(dy, a) if needs[0] else None
+    db = None
+    if needs[1]:
+        q = e.Round(e.Div(e.Sub(a, z), b))
+        db = e.unbroadcast(e.Neg(e.Mul(dy, q)), b)
+    return da, db
+
+
+# ----------------------------------------------------------------------------- piecewise constant
+
+
+@register(["Floor", "Ceil", "Round", "Sign", "Hardmax"])
+def piecewise_constant(n, dys, needs, e):
+    """Piecewise constant in x (Floor, Ceil, Round, Sign; Hardmax's one-hot of the first
+    maximum): the derivative is zero almost everywhere, and undefined at the jumps, where zero
+    is used too. dx = 0."""
+    return (e.zeros_like(n.inputs[0]),)
+
+
+# ----------------------------------------------------------------------------- CumProd
+
+
+_FACTOR_TEST = {(0, 0): "LessOrEqual", (1, 0): "Less", (0, 1): "GreaterOrEqual", (1, 1): "Greater"}
+
+
+def _cumprod_masks(e, x, axis, rank, exclusive, reverse):
+    """Two (n, n, 1, ..., 1) bool masks over (j, i), aligned with x unsqueezed at ``axis``:
+    ``eye`` (i == j) and ``inside`` (x_j is a factor of y_i: j <= i, j < i with exclusive,
+    mirrored with reverse). Constants for a static n, else Range-based."""
+    trailing = rank - 1 - axis
+    test = _FACTOR_TEST[(int(bool(exclusive)), int(bool(reverse)))]
+    length = (dims_of(x) or (None,) * rank)[axis]
+    if isinstance(length, int):
+        j, i = np.arange(length)[:, None], np.arange(length)[None, :]
+        inside = {"LessOrEqual": j <= i, "Less": j < i, "GreaterOrEqual": j >= i, "Greater": j > i}[test]
+        shape = (length, length) + (1,) * trailing
+        return e.const((j == i).reshape(shape)), e.const(inside.reshape(shape))
+    count = e.squeeze(e.shape(x, axis, axis + 1), [0])
+    idx = e.Range(e.const(np.array(0, np.int64)), count, e.const(np.array(1, np.int64)))
+    j, i = e.unsqueeze(idx, [1]), e.unsqueeze(idx, [0])
+    eye, inside = e.Equal(j, i), e.op(test, j, i)
+    if trailing:
+        extra = list(range(2, 2 + trailing))
+        eye, inside = e.unsqueeze(eye, extra), e.unsqueeze(inside, extra)
+    return eye, inside
+
+
+@register("CumProd", since=26)
+def cumprod(n, dys, needs, e):
+    """y_i = prod of x_k over k in S_i (S_i: k <= i, k < i with exclusive, mirrored with reverse).
+
+    dx_j = sum over i with j in S_i of dy_i * prod of x_k over k in S_i, k != j: exact also
+    where x has zeros (no division). For every j the row with x_j replaced by 1 goes through
+    CumProd with the node's attributes; that costs n times the memory of x (n = length of the
+    axis). The axis input must be a constant and the rank known."""
+    x, axis_v = n.inputs
+    (dy,) = dys
+    axis_c = constant_of(axis_v)
+    if axis_c is None:
+        raise GradientRuleError("CumProd: the axis input must be a constant")
+    rank = _rank(n, x, dy)
+    axis = int(np.asarray(axis_c).reshape(-1)[0]) % rank
+    exclusive, reverse = attr(n, "exclusive", 0), attr(n, "reverse", 0)
+    eye, inside = _cumprod_masks(e, x, axis, rank, exclusive, reverse)
+    rows = e.Where(eye, _c(e, 1.0, x), e.unsqueeze(x, [axis]))  # (..., n_j, n_i, ...)
+    partial = e.CumProd(rows, e.const(np.array(axis + 1, np.int64)), exclusive=exclusive, reverse=reverse)
+    terms = _keep(e, inside, e.Mul(e.unsqueeze(dy, [axis]), partial))
+    return e.reduce("ReduceSum", terms, [axis + 1], keepdims=False), None
+
+
+# ----------------------------------------------------------------------------- Det
+
+
+@register("Det")
+def det(n, dys, needs, e):
+    """y = det(X) over the last two axes (n x n):  dX = dy * cof(X), the cofactor matrix
+    (= det(X) inv(X)^T where X is invertible, and exact where it is singular).
+
+    ONNX has no inverse; the cofactors are determinants of the n^2 minors, gathered with two
+    static Gathers and computed by Det itself: cof[i, j] = (-1)^(i+j) det(X without row i and
+    column j). That is O(n^4) memory per matrix, for static n (any batch shape). (An unrolled
+    Gauss-Jordan inverse would need pivoting and fails where X is singular; cofactors need
+    neither.)"""
+    (x,) = n.inputs
+    (dy,) = dys
+    d = dims_of(x)
+    if d is None or len(d) < 2 or not isinstance(d[-1], int) or not isinstance(d[-2], int):
+        raise GradientRuleError("Det: the gradient needs the matrix size (the last two dims) to be static")
+    size, r = d[-1], len(d)
+    if size == 1:
+        return (e.expand_like(e.unsqueeze(dy, [r - 2, r - 1]), x),)
+    others = np.array([[k for k in range(size) if k != i] for i in range(size)], dtype=np.int64)
+    rows = e.Gather(x, e.const(others), axis=r - 2)  # (..., n_i, n-1, n)
+    minors = e.Gather(rows, e.const(others), axis=r)  # (..., n_i, n-1, n_j, n-1)
+    batch = list(range(r - 2))
+    minors = e.Transpose(minors, perm=batch + [r - 2, r, r - 1, r + 1])  # (..., n_i, n_j, n-1, n-1)
+    signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)])
+    signs = e.const(signs, dtype=x.dtype) if x.dtype is not None else e.CastLike(e.const(signs), x)
+    cof = e.Mul(e.Det(minors), signs)
+    return (e.Mul(e.unsqueeze(dy, [r - 2, r - 1]), cof),)
+

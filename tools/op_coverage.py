@@ -1,0 +1,224 @@
+"""Gradient coverage over ONNX's own backend node test cases.
+
+Every case of ``onnx.backend.test.case.node.collect_testcases()`` with a float input and a
+float output is differentiated: loss = a fixed random projection of every float output,
+gradients for every float input, compared with float64 finite differences
+(``gradbuilder.testing.gradcheck``) at the case's own input data. Writes
+``docs/op-coverage.md``: per op type the cases passed/total and, where cases do not pass,
+why (no rule, not differentiable by definition, a mismatch, an error).
+
+    python tools/op_coverage.py              # run, print the summary, write docs/op-coverage.md
+    python tools/op_coverage.py --check      # fail (exit 1) if fewer cases pass than the doc records
+    python tools/op_coverage.py --only Relu Conv
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "op-coverage.md"
+FLOATS = {1, 10, 11, 16}  # float, float16, double, bfloat16
+
+# Ops whose outputs have no derivative by definition (random draws, quantization steps);
+# their cases are listed but not counted in the denominator.
+NOT_DIFFERENTIABLE = {
+    "Bernoulli": "random draw",
+    "RandomNormal": "random draw",
+    "RandomNormalLike": "random draw",
+    "RandomUniform": "random draw",
+    "RandomUniformLike": "random draw",
+    "Multinomial": "random draw",
+    "DynamicQuantizeLinear": "quantization step function",
+    "QuantizeLinear": "quantization step function",
+    "DequantizeLinear": "integer input",
+}
+
+
+def _cases(only=None):
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = collect_testcases()
+    out = []
+    for case in cases:
+        if case.model is None or not case.data_sets:
+            continue
+        graph = case.model.graph
+        if not any(i.type.tensor_type.elem_type in FLOATS for i in graph.input):
+            continue
+        if not any(o.type.tensor_type.elem_type in FLOATS for o in graph.output):
+            continue
+        op = graph.node[0].op_type if len(graph.node) == 1 else _main_op(case)
+        if only and op not in only:
+            continue
+        out.append((op, case))
+    return out
+
+
+def _main_op(case) -> str:
+    """The op a multi-node case tests (``test_<op>_..._expanded`` cases expand a function)."""
+    counts = collections.Counter(n.op_type for n in case.model.graph.node)
+    name = case.name.lower().replace("_", "")
+    for op in counts:
+        if op.lower() in name:
+            return op
+    return counts.most_common(1)[0][0]
+
+
+def with_loss(model, outputs: dict[str, np.ndarray], seed: int = 0):
+    """``model`` plus a scalar output ``gb_loss`` = sum_k sum(out_k * R_k) over float outputs."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    terms = []
+    for out in list(g.output):
+        if out.type.tensor_type.elem_type not in FLOATS or out.name not in outputs:
+            continue
+        value = np.asarray(outputs[out.name])
+        pname = f"gb_proj_{len(terms)}"
+        g.initializer.append(numpy_helper.from_array(rng.standard_normal(value.shape), pname))
+        g.node.append(helper.make_node("Cast", [out.name], [f"{pname}_x"], to=onnx.TensorProto.DOUBLE))
+        g.node.append(helper.make_node("Mul", [f"{pname}_x", pname], [f"{pname}_m"]))
+        cast = f"{pname}_s"
+        g.node.append(helper.make_node("ReduceSum", [f"{pname}_m"], [cast], keepdims=0))
+        terms.append(cast)
+    g.node.append(helper.make_node("Sum", terms, ["gb_loss"]))
+    g.output.append(helper.make_tensor_value_info("gb_loss", onnx.TensorProto.DOUBLE, []))
+    return m
+
+
+def check_case(item) -> tuple[str, str, str, str]:
+    """(op, case name, status, detail): status pass / mismatch / norule / notdiff / undefined / error."""
+    op, case = item
+    from gradbuilder import UnsupportedOpError
+    from gradbuilder.testing import gradcheck
+
+    if op in NOT_DIFFERENTIABLE:
+        return op, case.name, "notdiff", NOT_DIFFERENTIABLE[op]
+    graph = case.model.graph
+    inits = {t.name for t in graph.initializer}
+    input_names = [i.name for i in graph.input if i.name not in inits]
+    inputs, expected = case.data_sets[0]
+    feeds = dict(zip(input_names, inputs))
+    outs = dict(zip([o.name for o in graph.output], expected))
+    if any(np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(np.asarray(v, dtype=np.float64)))
+           for v in list(outs.values()) + list(feeds.values())):
+        return op, case.name, "undefined", "non-finite values at the test point"
+    weights = [i.name for i in graph.input if i.type.tensor_type.elem_type in FLOATS and i.name in feeds]
+    try:
+        model = with_loss(case.model, outs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = gradcheck(model, weights, "gb_loss", feeds, max_elements=6, directions=2,
+                               rtol=1e-3, atol=1e-5, eps=1e-6)
+    except UnsupportedOpError as exc:
+        m = re.search(r"op_type=(\w+)", str(exc))
+        return op, case.name, "norule", f"no rule for {m.group(1) if m else op}"
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded with its message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return op, case.name, "error", f"{type(exc).__name__}: {first[:160]}"
+    if report.passed:
+        return op, case.name, "pass", ""
+    worst = max(report.weights, key=lambda w: w.max_abs_err)
+    return op, case.name, "mismatch", f"{worst.name}: max abs err {worst.max_abs_err:.2g}"
+
+
+def run(only=None, jobs: int = 1):
+    items = _cases(only)
+    if jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            return pool.map(check_case, items, chunksize=4)
+    return [check_case(i) for i in items]
+
+
+def summarize(results):
+    counted = [r for r in results if r[2] not in ("notdiff", "undefined")]
+    passed = sum(r[2] == "pass" for r in counted)
+    return passed, len(counted)
+
+
+def write_doc(results, path: Path = DOC) -> None:
+    import onnx
+
+    passed, total = summarize(results)
+    by_op: dict[str, list] = collections.defaultdict(list)
+    for r in results:
+        by_op[r[0]].append(r)
+    lines = [
+        "# Gradient coverage over ONNX's backend node tests",
+        "",
+        f"Generated by `python tools/op_coverage.py` with onnx {onnx.__version__}. Every backend node test",
+        "case with a float input and a float output: loss = a fixed random projection of every float",
+        "output, gradients for every float input, compared with float64 finite differences at the",
+        "case's own data. Cases of ops with no derivative by definition, and cases whose data hold",
+        "non-finite values, are listed but not counted.",
+        "",
+        f"COVERAGE: {passed}/{total} differentiable cases pass ({100.0 * passed / max(total, 1):.1f}%)",
+        "",
+        "| op | passed / counted | not counted | what fails |",
+        "|---|---|---|---|",
+    ]
+    for op in sorted(by_op):
+        rs = by_op[op]
+        counted = [r for r in rs if r[2] not in ("notdiff", "undefined")]
+        ok = sum(r[2] == "pass" for r in counted)
+        skipped = [r for r in rs if r[2] in ("notdiff", "undefined")]
+        reasons = collections.Counter(r[3] for r in counted if r[2] != "pass")
+        why = "; ".join(f"{k} ({v})" if v > 1 else k for k, v in reasons.most_common(3))
+        not_counted = "; ".join(sorted({r[3] for r in skipped})) if skipped else ""
+        lines.append(f"| {op} | {ok} / {len(counted)} | {len(skipped) or ''} {('(' + not_counted + ')') if skipped else ''} | {why} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def recorded(path: Path = DOC) -> tuple[int, int] | None:
+    if not path.exists():
+        return None
+    m = re.search(r"COVERAGE: (\d+)/(\d+)", path.read_text())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="compare with docs/op-coverage.md instead of writing it")
+    ap.add_argument("--only", nargs="+", help="op types to run")
+    ap.add_argument("--jobs", type=int, default=max(1, multiprocessing.cpu_count()))
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args()
+    results = run(args.only, args.jobs)
+    passed, total = summarize(results)
+    if args.verbose:
+        for r in results:
+            if r[2] != "pass":
+                print(f"{r[2]:9s} {r[0]:28s} {r[1]}: {r[3]}")
+    print(f"{passed}/{total} differentiable cases pass ({100.0 * passed / max(total, 1):.1f}%)")
+    if args.check:
+        rec = recorded()
+        if rec is None:
+            print("no recorded coverage in docs/op-coverage.md")
+            return 1
+        if passed < rec[0]:
+            print(f"coverage dropped: {passed} < recorded {rec[0]}")
+            return 1
+        return 0
+    if not args.only:
+        write_doc(results)
+        print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
