@@ -10,6 +10,8 @@ if not (_here / "rules").is_dir() and (_here.parent / "rules" / "__init__.py").i
     __path__.append(str(_here.parent))
 
 from .builder import GradientGraphBuilder
+from .registry import Emitter, register_stop_gradient_edges
+from .registry import register as register_gradient
 from .errors import (
     GradBuilderError,
     GradientRuleError,
@@ -22,8 +24,26 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+
+
+def register_gradient_definition(domain: str, op_type: str, rule, since: int = 1) -> None:
+    """Register ``rule(node, dys, needs, e)`` as the gradient of ``op_type`` in ``domain``
+    (function form of the ``register_gradient`` decorator; a later registration replaces
+    an earlier one for the same opset)."""
+    register_gradient(op_type, domain=domain, since=since)(rule)
+
+
+def register_custom_stop_gradient_edges(edges, op_type: str, domain: str = "") -> None:
+    """No gradient flows through inputs ``edges`` (indices) of any ``op_type`` node."""
+    register_stop_gradient_edges(edges, op_type, domain)
+
+
 __all__ = [
     "GradientGraphBuilder",
+    "Emitter",
+    "register_gradient",
+    "register_gradient_definition",
+    "register_custom_stop_gradient_edges",
     "GradBuilderError",
     "GradientRuleError",
     "InvalidArgumentError",

@@ -81,7 +81,8 @@ def differentiate(
     for node in reversed(nodes):
         if not any(o in needed for o in node.outputs):
             continue
-        ins = [v for v in node.inputs if v is not None and v in reached]
+        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
+        ins = [v for i, v in enumerate(node.inputs) if v is not None and v in reached and i not in stops_here]
         if not ins:
             continue
         active.append(node)
@@ -95,7 +96,8 @@ def differentiate(
         dys = [acc.take(o) if o in needed else None for o in node.outputs]
         if all(d is None for d in dys):
             continue
-        needs = [v is not None and v in needed for v in node.inputs]
+        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
+        needs = [v is not None and v in needed and i not in stops_here for i, v in enumerate(node.inputs)]
         grads = _call_rule(node, dys, needs, opset, e)
         for value, grad, need in zip(node.inputs, grads, needs):
             if need and grad is not None:

@@ -65,6 +65,20 @@ def register(op_type: str | Iterable[str], domain: str = "", since: int = 1):
     return deco
 
 
+_STOP_EDGES: dict[tuple[str, str], frozenset[int]] = {}
+
+
+def register_stop_gradient_edges(edges, op_type: str, domain: str = "") -> None:
+    """Declare inputs (by index) of ``op_type`` through which no gradient flows, for every
+    node of that type (like onnxruntime's ``register_custom_stop_gradient_edges``)."""
+    key = (_norm_domain(domain), op_type)
+    _STOP_EDGES[key] = _STOP_EDGES.get(key, frozenset()) | frozenset(int(i) for i in edges)
+
+
+def stop_gradient_edges(domain: str, op_type: str) -> frozenset[int]:
+    return _STOP_EDGES.get((_norm_domain(domain), op_type), frozenset())
+
+
 def load_rules() -> None:
     """Import every module of ``gradbuilder.rules`` so their rules register themselves."""
     global _LOADED
