@@ -30,7 +30,8 @@ class GradientGraphBuilder:
 
     ``model`` is bytes, a path or an ``onnx.ModelProto`` (never modified). The written graph
     has the requested ``outputs`` first, then one output ``<weight>_grad`` per weight, same
-    shape and dtype as the weight. Trainable initializers also become graph inputs, the
+    shape and dtype as the weight (``gradient_suffix`` changes ``_grad``, e.g. to
+    differentiate a gradient graph again). Trainable initializers also become graph inputs, the
     initializer kept as their default value.
     """
 
@@ -42,6 +43,7 @@ class GradientGraphBuilder:
         loss: str | None = None,
         *,
         stop_gradients: Iterable[str] = (),
+        gradient_suffix: str = "_grad",
     ):
         if weights is None or loss is None:
             raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
@@ -56,6 +58,7 @@ class GradientGraphBuilder:
         self.outputs = list(outputs) if outputs is not None else [loss]
         self.loss = loss
         self.stop_gradients = list(stop_gradients)
+        self.gradient_suffix = gradient_suffix
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
         self._result: modelio.DetachedModel | None = None
@@ -110,7 +113,7 @@ class GradientGraphBuilder:
                 + ", ".join(result.unreached),
                 stacklevel=3,
             )
-        grad_outputs = _name_gradients(graph, e, weights, result.grads)
+        grad_outputs = _name_gradients(graph, e, weights, result.grads, self.gradient_suffix)
         for w in weights:
             if w.is_initializer() and not w.is_graph_input():
                 graph.inputs.append(w)
@@ -218,15 +221,15 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     return values
 
 
-def _name_gradients(graph: ir.Graph, e: Emitter, weights, grads) -> list[ir.Value]:
-    """Give each weight's gradient the output name ``<weight>_grad``."""
+def _name_gradients(graph: ir.Graph, e: Emitter, weights, grads, suffix: str = "_grad") -> list[ir.Value]:
+    """Give each weight's gradient the output name ``<weight><suffix>`` (``W_grad``)."""
     ours = {id(n) for n in e.nodes}
     taken: set[ir.Value] = set()
     outputs = []
     existing = _values_by_name(graph)
     for w in weights:
         g = grads[w.name]
-        name = f"{w.name}_grad"
+        name = f"{w.name}{suffix}"
         clash = existing.get(name)
         if clash is not None and clash is not g:
             if clash.producer() is not None and id(clash.producer()) in ours:
@@ -234,7 +237,8 @@ def _name_gradients(graph: ir.Graph, e: Emitter, weights, grads) -> list[ir.Valu
             else:
                 raise InvalidArgumentError(
                     f"the model already has a value named '{name}', the name of weight '{w.name}'s "
-                    "gradient output; rename that value"
+                    "gradient output; rename that value or pass another gradient_suffix (e.g. "
+                    "'_grad2' when differentiating a gradient graph again)"
                 )
         producer = g.producer()
         own = producer is not None and id(producer) in ours and producer.op_type != "Constant"
