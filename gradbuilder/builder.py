@@ -16,6 +16,7 @@ from .autodiff import differentiate
 from .errors import InvalidArgumentError, OutputError
 from .passes.canonicalize import split_to_sequence_as_split
 from .passes.cleanup import remove_unused_nodes
+from .passes.expand_functions import expand_functions
 from .passes.expose_masks import expose_dropout_masks
 from .registry import FLOAT_TYPES, Emitter, dims_of
 
@@ -79,6 +80,8 @@ class GradientGraphBuilder:
         t0 = time.perf_counter()
         proto, weights_bytes = modelio.load_detached(self._source)
         proto = modelio.normalize(proto)
+        if expand_functions(proto, self.weights + self.stop_gradients, modelio.default_opset(proto)):
+            modelio.infer_types(proto)
         model = modelio.to_ir(proto)
         del proto
         t1 = time.perf_counter()

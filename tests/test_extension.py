@@ -87,3 +87,29 @@ def test_stop_gradient_edge_on_a_standard_op(clean_registry):
     model = make_model(nodes, [], [vi("loss", [])], [tensor("W", np.array([3.0], np.float32))])
     got = run(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().model_proto)
     np.testing.assert_allclose(got["W_grad"], [3.0])  # only the first factor's path
+
+
+def test_op_without_rule_is_differentiated_through_its_function_body(clean_registry):
+    from gradbuilder.testing import check_op
+
+    registry._RULES.pop(("", "ThresholdedRelu"))  # an ONNX function: Greater, Where
+    x = np.random.default_rng(0).uniform(-2, 2, (3, 4)).astype(np.float32)
+    check_op("ThresholdedRelu", [("x", x)], {"alpha": 0.5}, opset=18)
+    model = make_model([helper.make_node("ThresholdedRelu", ["W"], ["y"], alpha=0.5),
+                        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+                       [], [vi("loss", [])], [tensor("W", x)], opset=18)
+    out = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().model_proto
+    assert "ThresholdedRelu" not in {n.op_type for n in out.graph.node}
+
+
+def test_new_function_op_swiglu_gets_a_gradient_without_a_rule():
+    from gradbuilder.testing import gradcheck, make_op_model
+
+    rng = np.random.default_rng(1)
+    if not any(s.name == "SwiGLU" for s in __import__("onnx").defs.get_all_schemas()):
+        raise AssertionError("this onnx has no SwiGLU function op")
+    model, weights, feeds = make_op_model("SwiGLU", [("a", rng.standard_normal((2, 6)).astype(np.float32)),
+                                                     ("b", rng.standard_normal((2, 6)).astype(np.float32))],
+                                          {"alpha": 1.2}, opset=28)
+    report = gradcheck(model, weights, "loss", feeds)
+    assert report.passed, report
