@@ -56,6 +56,40 @@ class _Accumulator:
         return total
 
 
+def node_inputs(node: ir.Node) -> list[ir.Value | None]:
+    """The node's inputs, then the outer values its subgraphs capture (If/Loop/Scan bodies
+    read outer values directly): gradients flow into both."""
+    captured = captures(node)
+    return list(node.inputs) + captured if captured else list(node.inputs)
+
+
+def captures(node: ir.Node) -> list[ir.Value]:
+    inner: set[int] = set()
+    graphs = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.value)
+    if not graphs:
+        return []
+    for g in graphs:
+        inner.add(id(g))
+        for n in ir.traversal.RecursiveGraphIterator(g):
+            for a in n.attributes.values():
+                if a.type == ir.AttributeType.GRAPH:
+                    inner.add(id(a.value))
+                elif a.type == ir.AttributeType.GRAPHS:
+                    inner.update(id(x) for x in a.value)
+    seen: dict[ir.Value, None] = {}
+    for g in graphs:
+        for n in ir.traversal.RecursiveGraphIterator(g):
+            for v in n.inputs:
+                if v is not None and id(v.graph) not in inner and v not in seen:
+                    seen[v] = None
+    return list(seen)
+
+
 def differentiate(
     graph: ir.Graph,
     weights: list[ir.Value],
@@ -65,49 +99,11 @@ def differentiate(
     stop_gradients: frozenset[ir.Value] = frozenset(),
 ) -> GradientResult:
     """Append to ``graph`` the nodes computing d(loss)/d(weight) for every weight."""
-    nodes = list(graph)
-
-    # 1. Forward: values that depend (through float values) on a weight.
-    reached: set[ir.Value] = set(weights)
-    for node in nodes:
-        if any(v in reached for v in node.inputs if v is not None):
-            for out in node.outputs:
-                if is_float(out) and out not in stop_gradients:
-                    reached.add(out)
-
-    # 2. Backward: nodes between the weights and the loss.
-    needed: set[ir.Value] = {loss} if loss in reached else set()
-    active: list[ir.Node] = []
-    for node in reversed(nodes):
-        if not any(o in needed for o in node.outputs):
-            continue
-        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
-        ins = [v for i, v in enumerate(node.inputs) if v is not None and v in reached and i not in stops_here]
-        if not ins:
-            continue
-        active.append(node)
-        needed.update(ins)
-
-    # 3. Seed and walk.
-    acc = _Accumulator(e)
-    if loss in reached:
-        acc.add(loss, e.ones_like(loss))
-    for node in active:
-        dys = [acc.take(o) if o in needed else None for o in node.outputs]
-        if all(d is None for d in dys):
-            continue
-        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
-        needs = [v is not None and v in needed and i not in stops_here for i, v in enumerate(node.inputs)]
-        grads = _call_rule(node, dys, needs, opset, e)
-        for value, grad, need in zip(node.inputs, grads, needs):
-            if need and grad is not None:
-                e._set(grad, value.dtype, registry.dims_of(value))
-                acc.add(value, grad)
-
+    grads = walk(graph, weights, {loss: None}, opset, e, stop_gradients)
     result: dict[str, ir.Value] = {}
     unreached: list[str] = []
     for w in weights:
-        g = acc.take(w)
+        g = grads.get(w)
         if g is None:
             unreached.append(w.name)
             g = e.zeros_like(w)
@@ -115,7 +111,65 @@ def differentiate(
     return GradientResult(result, unreached)
 
 
-def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter) -> list:
+def walk(
+    graph: ir.Graph,
+    wrt: list[ir.Value],
+    seeds: dict[ir.Value, ir.Value | None],
+    opset: int,
+    e: Emitter,
+    stop_gradients: frozenset[ir.Value] = frozenset(),
+) -> dict[ir.Value, ir.Value]:
+    """Gradients of sum(seed_v * v) over ``seeds`` w.r.t. ``wrt``, emitted into ``graph``.
+
+    A seed of None means ones (a scalar loss). Values of ``wrt`` that no seed reaches are
+    absent from the result.
+    """
+    nodes = list(graph)
+    inputs_of = {id(n): node_inputs(n) for n in nodes}
+
+    # 1. Forward: values that depend (through float values) on one of ``wrt``.
+    reached: set[ir.Value] = set(wrt)
+    for node in nodes:
+        if any(v in reached for v in inputs_of[id(node)] if v is not None):
+            for out in node.outputs:
+                if is_float(out) and out not in stop_gradients:
+                    reached.add(out)
+
+    # 2. Backward: nodes between ``wrt`` and the seeds.
+    needed: set[ir.Value] = {v for v in seeds if v in reached}
+    active: list[ir.Node] = []
+    for node in reversed(nodes):
+        if not any(o in needed for o in node.outputs):
+            continue
+        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
+        ins = [v for i, v in enumerate(inputs_of[id(node)])
+               if v is not None and v in reached and i not in stops_here]
+        if not ins:
+            continue
+        active.append(node)
+        needed.update(ins)
+
+    # 3. Seed and walk.
+    acc = _Accumulator(e)
+    for value, seed in seeds.items():
+        if value in reached:
+            acc.add(value, seed if seed is not None else e.ones_like(value))
+    for node in active:
+        dys = [acc.take(o) if o in needed else None for o in node.outputs]
+        if all(d is None for d in dys):
+            continue
+        ins = inputs_of[id(node)]
+        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
+        needs = [v is not None and v in needed and i not in stops_here for i, v in enumerate(ins)]
+        grads = _call_rule(node, dys, needs, opset, e, len(ins))
+        for value, grad, need in zip(ins, grads, needs):
+            if need and grad is not None:
+                e._set(grad, value.dtype, registry.dims_of(value))
+                acc.add(value, grad)
+    return {w: g for w in wrt if (g := acc.take(w)) is not None}
+
+
+def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter, n_inputs: int) -> list:
     entry = registry.lookup(node.domain, node.op_type, _node_opset(node, opset))
     if entry is None:
         supported = ", ".join(sorted(
@@ -135,12 +189,12 @@ def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter) -> list:
                         f"opset={opset}): {exc}") from exc
     finally:
         e.scope = ""
-    if len(grads) > len(node.inputs):
+    if len(grads) > n_inputs:
         raise GradientRuleError(
-            f"rule for {node.op_type} returned {len(grads)} gradients for {len(node.inputs)} inputs "
+            f"rule for {node.op_type} returned {len(grads)} gradients for {n_inputs} inputs "
             f"(node {node_label(node)})"
         )
-    grads += [None] * (len(node.inputs) - len(grads))
+    grads += [None] * (n_inputs - len(grads))
     return grads
 
 

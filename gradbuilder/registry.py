@@ -238,6 +238,13 @@ class Emitter:
         self._consts: dict[tuple, ir.Value] = {}
         self.nodes: list[ir.Node] = []
 
+    def child(self, graph: ir.Graph) -> "Emitter":
+        """An emitter for a subgraph (a control-flow body): names stay unique across scopes;
+        constants are the subgraph's own."""
+        sub = Emitter(graph, self.opset, self._used)
+        sub.scope = self.scope
+        return sub
+
     # names ---------------------------------------------------------------------------
     def unique(self, hint: str) -> str:
         name = hint
@@ -532,6 +539,8 @@ def _attr(name: str, v) -> ir.Attr:
             return ir.AttrStrings(name, list(v))
     if isinstance(v, ir.Attr):
         return v
+    if isinstance(v, ir.Graph):
+        return ir.AttrGraph(name, v)
     return ir.convenience.convert_attribute(name, v)
 
 
