@@ -1,0 +1,503 @@
+"""Spatial and resampling ops: Resize GridSample AffineGrid DepthToSpace SpaceToDepth Col2Im
+CenterCropPad.
+
+All of them are linear in their data input, so each data gradient is the transpose of the
+op's own linear map:
+
+* DepthToSpace / SpaceToDepth / CenterCropPad move elements: dx moves dy back (the inverse
+  rearrangement, or the same crop/pad back to x's size).
+* Col2Im adds columns into an image: dx reads the image back into columns (Im2Col), a
+  convolution of dy with one-hot kernels.
+* Resize is y = X x_1 M_1 x_2 M_2 ... with one interpolation matrix M_k per resized axis (the
+  interpolation of every mode is separable): dX = dy x_k M_k^T. Each M_k is the node's own
+  Resize applied to an identity matrix, so it is exactly what the runtime computes.
+* AffineGrid is grid = theta @ (base, 1): dtheta = dy^T @ (base, 1), base being the
+  runtime's AffineGrid of the identity transform.
+* GridSample reads X at a few taps around each sampling point with weights that depend on
+  the grid: dX scatter-adds dy times the weights at the taps, dgrid sums dy times X at the
+  taps times the weights' derivatives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from gradbuilder.errors import GradientRuleError
+from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.rules.shape import (
+    HALF_TYPES,
+    Dims,
+    accumulation_type,
+    as_int64,
+    cast_to,
+    iprod,
+    isub,
+    reshape_like,
+    scalar_of,
+    stack,
+    vec,
+    zeros,
+)
+
+
+def _input(n, i):
+    return n.inputs[i] if len(n.inputs) > i else None
+
+
+def _text(n, name, default):
+    v = attr(n, name, default)
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _compute_type(v) -> ir.DataType:
+    """float32 for 16-bit floats (and unknown types), else v's own float type."""
+    return v.dtype if v.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE) else ir.DataType.FLOAT
+
+
+def _spatial_rank(*values):
+    """The number of spatial axes: rank - 2 of the first value with a known rank."""
+    for v in values:
+        d = dims_of(v) if v is not None else None
+        if d is not None:
+            return len(d) - 2
+    return None
+
+
+# ----------------------------------------------------------------------------- rearrangements
+
+
+@register("DepthToSpace")
+def depth_to_space(n, dys, needs, e):
+    """DCR mode is undone by SpaceToDepth: dx = SpaceToDepth(dy).
+    CRD mode: y[n, c, h*b + i, w*b + j] = x[n, c*b*b + i*b + j, h, w], so dx is dy viewed
+    as [N, C, H, b, W, b], transposed to [N, C, b, b, H, W] and viewed as x."""
+    (dy,) = dys
+    b = attr(n, "blocksize")
+    if _text(n, "mode", "DCR") != "CRD":
+        return (e.SpaceToDepth(dy, blocksize=b),)
+    d = Dims(e, n.inputs[0])
+    blocks = e.Reshape(dy, stack(e, [d[0], -1, d[2], b, d[3], b]))
+    return (reshape_like(e, e.Transpose(blocks, perm=[0, 1, 3, 5, 2, 4]), n.inputs[0]),)
+
+
+@register("SpaceToDepth")
+def space_to_depth(n, dys, needs, e):
+    """SpaceToDepth is undone by DepthToSpace in DCR mode: dx = DepthToSpace(dy, DCR)."""
+    return (e.DepthToSpace(dys[0], blocksize=attr(n, "blocksize"), mode="DCR"),)
+
+
+@register("CenterCropPad")
+def center_crop_pad(n, dys, needs, e):
+    """y = x centre-cropped / zero-padded to ``shape`` on ``axes``. Cropping a length L to l
+    keeps x[(L-l)//2 :][:l]; padding l to L puts x at offset (L-l)//2: the same offset, so
+    crop and pad are each other's transpose and dx = CenterCropPad(dy, shape(x)[axes])."""
+    x = n.inputs[0]
+    axes = attr(n, "axes")
+    d = Dims(e, x)
+    target = d.vector() if axes is None else stack(e, [d[int(a)] for a in axes])
+    return (e.CenterCropPad(dys[0], target, axes=axes), None)
+
+
+# ----------------------------------------------------------------------------- Col2Im
+
+
+@register("Col2Im")
+def col2im(n, dys, needs, e):
+    """y = Col2Im(x): entry (c*K + k, l) of x is added into channel c of the image at
+    position l*strides + k*dilations - pads (k a kernel offset of the K = prod(block_shape),
+    l a block). Linear in x, so dx is the Im2Col of dy: dx[c*K + k, l] = dy at that
+    position (zero in the padding), i.e. each channel of dy convolved with the K one-hot
+    kernels e_k (same strides, dilations, pads): Conv(dy as [N*C, 1, ...], eye(K) as
+    [K, 1, *block_shape]) is [N*C, K, blocks...], which is x's layout."""
+    x, _, block_shape = n.inputs[:3]
+    (dy,) = dys
+    ct = ir.DataType.FLOAT if dy.dtype in HALF_TYPES or dy.dtype is None else dy.dtype
+    block = constant_of(block_shape)
+    if block is not None:
+        k = int(np.prod(block))
+        kernel = e.const(np.eye(k).reshape(k, 1, *[int(b) for b in block]), dtype=ct)
+    else:
+        blocks = as_int64(e, block_shape)
+        k = e.reduce("ReduceProd", blocks, None, keepdims=True)
+        square = e.ConstantOfShape(e.Concat(k, k, axis=0), value=ir.tensor(np.zeros(1, ct.numpy())))
+        kernel = e.Reshape(e.EyeLike(square), e.Concat(k, e.ints([1]), blocks, axis=0))
+    image = dims_of(dy)
+    if image is not None and all(isinstance(a, int) for a in image[2:]):
+        planes = e.reshape(dy, [-1, 1, *image[2:]])
+    else:
+        planes = e.Reshape(dy, e.Concat(e.ints([-1, 1]), e.shape(dy, 2), axis=0))
+    cols = e.Conv(cast_to(e, planes, ct), kernel, strides=attr(n, "strides"), dilations=attr(n, "dilations"),
+                  pads=attr(n, "pads"))
+    return (cast_to(e, reshape_like(e, cols, x), dy.dtype), None, None)
+
+
+# ----------------------------------------------------------------------------- Resize
+
+
+_RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside", "nearest_mode")
+
+
+def _is_empty(v) -> bool:
+    if v is None:
+        return True
+    c = constant_of(v)
+    if c is not None:
+        return c.size == 0
+    d = dims_of(v)
+    return d is not None and len(d) == 1 and d[0] == 0
+
+
+def _interpolation_matrix(e, n, dtype, length, *, scale=None, size=None, roi=None):
+    """M_k (out x length): the node's Resize (same mode and coordinate transformation, no
+    extrapolation value) applied along the first axis of a length x length identity, with
+    axis k's scale or size; the second axis keeps its length (an identity resize)."""
+    shape = stack(e, [length, length])
+    eye = e.EyeLike(e.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, dtype.numpy()))))
+    attrs = {name: attr(n, name) for name in _RESIZE_ATTRS}
+    if e.opset >= 18:
+        attrs["antialias"] = attr(n, "antialias")
+    scales = sizes = None
+    if size is not None:
+        sizes = stack(e, [size, length])
+    elif isinstance(scale, float):
+        scales = e.const(np.array([scale, 1.0], np.float32))
+    else:
+        scales = e.Concat(cast_to(e, scale, ir.DataType.FLOAT), e.const(np.array([1.0], np.float32)), axis=0)
+    if e.opset < 13:  # Resize-11: roi and scales are required inputs (empty when unused)
+        roi = roi if roi is not None else e.const(np.zeros(0, np.float32))
+        scales = scales if scales is not None else e.const(np.zeros(0, np.float32))
+    inputs = [eye, roi, scales, sizes]
+    while inputs[-1] is None:
+        inputs.pop()
+    return e.op("Resize", *inputs, extrapolation_value=0.0, **attrs)
+
+
+def _contract(e, g, m, k, rank):
+    """``g`` with its axis k (of length out) multiplied by ``m`` (out x in): g x_k m^T."""
+    if k == rank - 1:
+        return e.MatMul(g, m)
+    if k == rank - 2:
+        return e.MatMul(e.Transpose(m, perm=[1, 0]), g)
+    perm = list(range(rank))
+    perm[k], perm[-1] = perm[-1], perm[k]
+    return e.Transpose(e.MatMul(e.Transpose(g, perm=perm), m), perm=perm)
+
+
+def _aspect_plan(n, d, axes, sizes, policy):
+    """keep_aspect_ratio_policy not_larger / not_smaller: one scale s for every axis (the
+    min / max of sizes[i] / in[axis]), out = round(s * in). The axis that sets s is resized
+    by its size; the others by the scale s, which gives the same output length when
+    floor(s * in) = round(s * in). Returns [("size", int) | ("scale", float)] per axis."""
+    if sizes is None or any(not isinstance(d[k], int) for k in axes):
+        raise GradientRuleError(
+            f"Resize '{n.name}' with keep_aspect_ratio_policy={policy}: the gradient needs constant sizes "
+            "and static input lengths on the resized axes"
+        )
+    ratios = [float(sizes[i]) / d[k] for i, k in enumerate(axes)]
+    pick = int(np.argmin(ratios) if policy == "not_larger" else np.argmax(ratios))
+    s = ratios[pick]
+    plan = []
+    for i, k in enumerate(axes):
+        out = int(s * d[k] + 0.5)
+        if i == pick:
+            plan.append(("size", int(sizes[i])))
+        elif int(np.floor(np.float32(s) * np.float32(d[k]))) == out:
+            plan.append(("scale", float(np.float32(s))))
+        else:
+            raise GradientRuleError(
+                f"Resize '{n.name}' with keep_aspect_ratio_policy={policy}: axis {k} has length {d[k]} -> "
+                f"round({s:.6g} * {d[k]}) = {out}, which a Resize by scale cannot reproduce, so its "
+                "interpolation matrix cannot be built; use sizes with the stretch policy"
+            )
+    return plan
+
+
+def _axis_roi(e, roi, i, count):
+    """(roi of the helper Resize for the i-th of ``count`` axes: [start, 0, end, 1], whether
+    it is the whole axis [0, 1])."""
+    c = constant_of(roi)
+    if c is not None:
+        start, end = float(c[i]), float(c[count + i])
+        return e.const(np.array([start, 0.0, end, 1.0], dtype=c.dtype)), start == 0.0 and end == 1.0
+    dt = roi.dtype if roi.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE, *HALF_TYPES) else ir.DataType.FLOAT
+    zero, one = (e.const(np.array([v], dt.numpy()), dtype=dt) for v in (0.0, 1.0))
+    return e.Concat(e.Gather(roi, e.ints([i])), zero, e.Gather(roi, e.ints([count + i])), one, axis=0), False
+
+
+@register("Resize")
+def resize(n, dys, needs, e):
+    """Resize is linear in X and separable: y = X x_1 M_1 x_2 M_2 ..., M_k (out_k x in_k)
+    the 1-D interpolation matrix of resized axis k (tf_crop_and_resize sets outputs whose
+    source lies outside to extrapolation_value, a constant: their rows of M_k are zero).
+    dX = dy x_k M_k^T for every resized axis, each a MatMul along axis k.
+
+    M_k is the node's own Resize (every mode, coordinate transformation, nearest_mode,
+    cubic_coeff_a, exclude_outside, antialias, roi) applied along the first axis of an
+    identity matrix with axis k's scale or size, so it is what the runtime computes, also
+    for lengths known only at run time. Axes resized by 1 (and the whole roi) are skipped
+    when that is known statically. roi, scales and sizes get no gradient.
+
+    keep_aspect_ratio_policy needs constant sizes and static lengths, and is refused where
+    an axis' round(scale * length) differs from floor(scale * length)."""
+    x = n.inputs[0]
+    roi, scales, sizes = (_input(n, i) for i in (1, 2, 3))
+    (dy,) = dys
+    if e.opset < 11:
+        raise GradientRuleError(f"Resize '{n.name}': opset {e.opset} < 11 is not supported")
+    d = Dims(e, x)
+    use_sizes = not _is_empty(sizes)
+    given = sizes if use_sizes else scales
+    axes_attr = attr(n, "axes")
+    rank = d.rank
+    if rank is None and axes_attr is None:
+        count = (dims_of(given) or [None])[0]
+        rank = count if isinstance(count, int) else None
+    if rank is None:
+        raise GradientRuleError(f"Resize '{n.name}': the gradient needs the rank of '{x.name}', which is unknown")
+    axes = [int(a) % rank for a in axes_attr] if axes_attr else list(range(rank))
+
+    crop = _text(n, "coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize"
+    if crop and _is_empty(roi):
+        raise GradientRuleError(f"Resize '{n.name}': tf_crop_and_resize without a roi")
+    policy = _text(n, "keep_aspect_ratio_policy", "stretch") if use_sizes else "stretch"
+    given_c = constant_of(given)
+    plan = _aspect_plan(n, d, axes, given_c, policy) if policy != "stretch" else None
+    hd = ir.DataType.DOUBLE if x.dtype == ir.DataType.DOUBLE else ir.DataType.FLOAT
+
+    g = dy
+    for i, k in enumerate(axes):
+        length = d[k]
+        roi_k, whole = _axis_roi(e, roi, i, len(axes)) if crop else (None, True)
+        if plan is not None:
+            kind, value = plan[i]
+        elif use_sizes:
+            kind, value = "size", int(given_c[i]) if given_c is not None else e.Gather(as_int64(e, sizes), e.ints([i]))
+        else:
+            kind, value = "scale", float(given_c[i]) if given_c is not None else e.Gather(scales, e.ints([i]))
+        if whole and (kind == "scale" and isinstance(value, float) and value == 1.0
+                      or kind == "size" and isinstance(value, int) and isinstance(length, int) and value == length):
+            continue
+        mk = _interpolation_matrix(e, n, hd, length, roi=roi_k, **{kind: value})
+        g = _contract(e, g, mk if x.dtype == hd else e.CastLike(mk, dy), k, rank)
+    return [g, None, None, None][: len(n.inputs)]
+
+
+# ----------------------------------------------------------------------------- AffineGrid
+
+
+@register("AffineGrid")
+def affine_grid(n, dys, needs, e):
+    """grid[n, p] = theta[n] @ (base[p], 1) with base[p] the normalized coordinates
+    (x, y[, z]) of output position p (align_corners as the node). Linear in theta:
+    dtheta[n] = sum_p dy[n, p] (base[p], 1)^T = [dy[n]^T @ base | dy[n]^T @ 1].
+    base is the node's AffineGrid of the identity transform, the runtime's own grid."""
+    theta, size = n.inputs
+    (dy,) = dys
+    td = dims_of(theta)
+    r = td[1] if td is not None and isinstance(td[1], int) else None
+    if r is None:
+        sd = dims_of(size)
+        r = sd[0] - 2 if sd is not None and isinstance(sd[0], int) else _spatial_rank(dy)
+    if r is None:
+        raise GradientRuleError("AffineGrid gradient: cannot tell whether the grid is 2-D or 3-D")
+    # batch 2: onnxruntime's float16 AffineGrid (a function) fails for a batch of one
+    identity = e.const(np.stack([np.eye(r, r + 1)] * 2), dtype=theta.dtype or ir.DataType.FLOAT)
+    size_c = constant_of(size)
+    if size_c is not None:
+        two_size = e.ints([2, *[int(s) for s in size_c[1:]]])
+    else:
+        two_size = e.Concat(e.ints([2]), e.Slice(as_int64(e, size), e.ints([1]), e.ints([r + 2])), axis=0)
+    grids = e.AffineGrid(e.CastLike(identity, dy), two_size, align_corners=attr(n, "align_corners", 0))
+    base = e.reshape(e.Gather(grids, e.ints([0]), axis=0), [-1, r])  # [P, r]
+    dyt = e.Transpose(e.reshape(dy, [0, -1, r]), perm=[0, 2, 1])  # [N, r, P]
+    linear = e.MatMul(dyt, base)  # [N, r, r]
+    offset = e.reduce("ReduceSum", dyt, [2], keepdims=True)  # [N, r, 1]
+    return (e.Concat(linear, offset, axis=2), None)
+
+
+# ----------------------------------------------------------------------------- GridSample
+
+_CUBIC_A = -0.75  # GridSample's cubic kernel (Keys, a = -0.75)
+
+
+def _poly(e, t, coeffs):
+    """coeffs[0] t^n + coeffs[1] t^(n-1) + ... + coeffs[n] (Horner)."""
+    out = e.scalar(coeffs[0], like=t)
+    for c in coeffs[1:]:
+        out = e.Add(e.Mul(out, t), e.scalar(c, like=t))
+    return out
+
+
+def _keys(e, dist):
+    """The cubic convolution kernel at distance ``dist`` >= 0 and its derivative:
+    (a+2)d^3 - (a+3)d^2 + 1 for d <= 1, a d^3 - 5a d^2 + 8a d - 4a for 1 < d < 2."""
+    a = _CUBIC_A
+    near = e.LessOrEqual(dist, e.scalar(1.0, like=dist))
+    w = e.Where(near, _poly(e, dist, [a + 2, -(a + 3), 0.0, 1.0]), _poly(e, dist, [a, -5 * a, 8 * a, -4 * a]))
+    dw = e.Where(near, _poly(e, dist, [3 * (a + 2), -2 * (a + 3), 0.0]), _poly(e, dist, [3 * a, -10 * a, 8 * a]))
+    return w, dw
+
+
+_OFFSETS = {"nearest": [0], "linear": [0, 1], "cubic": [-1, 0, 1, 2]}
+
+
+def _reflect(e, idx, length, align):
+    """Integer tap positions reflected into [0, length): about -0.5 and length - 0.5 (period
+    2 length) without align_corners, about 0 and length - 1 (period 2 length - 2) with it."""
+    if isinstance(length, int):
+        period = e.ints([max(2 * length - 2 * align, 1)])
+    else:
+        period = e.Max(e.Sub(e.Mul(length, e.ints([2])), e.ints([2 * align])), e.ints([1]))
+    m = e.Mod(idx, period)
+    back = e.Sub(e.Sub(period, e.ints([1 - align])), m)
+    return e.Where(e.Less(m, vec(e, length)), m, back)
+
+
+def _axis_taps(e, coord, length, mode, padding, align, ct):
+    """One spatial axis: ``coord`` [N, 1, P] normalized sampling coordinates. Returns
+    (tap positions [N, T, P] int64 in range, weights [N, T, P] or None for all ones,
+    d weights / d coord [N, T, P] or None) with zero padding folded into the weights."""
+    lf = e.scalar(float(length), like=coord) if isinstance(length, int) else e.Cast(length, to=int(ct))
+    one = e.scalar(1.0, like=coord)
+    two = e.scalar(2.0, like=coord)
+    shifted = e.Add(coord, one)
+    if align:  # [-1, 1] -> [0, length - 1]
+        lm1 = e.Sub(lf, one)
+        pos, scale = e.Mul(e.Div(shifted, two), lm1), e.Div(lm1, two)
+    else:  # [-1, 1] -> [-0.5, length - 0.5]
+        pos, scale = e.Div(e.Sub(e.Mul(shifted, lf), one), two), e.Div(lf, two)
+    if mode == "nearest":
+        pos = e.Round(pos)  # half to even
+    start = e.Floor(pos)
+    frac = e.Sub(pos, start)
+    offsets = _OFFSETS[mode]
+    idx = e.Add(e.Cast(start, to=int(ir.DataType.INT64)), e.const(np.array(offsets, np.int64).reshape(1, -1, 1)))
+    w = dw = None
+    if mode == "linear":
+        w = e.Concat(e.Sub(one, frac), frac, axis=1)
+        dw = e.const(np.array([-1.0, 1.0]).reshape(1, 2, 1), dtype=ct)
+    elif mode == "cubic":
+        u = e.Sub(frac, e.const(np.array(offsets, dtype=float).reshape(1, -1, 1), dtype=ct))
+        w, dk = _keys(e, e.Abs(u))
+        dw = e.Mul(dk, e.Sign(u))
+    last = vec(e, isub(e, length, 1))
+    if padding == "zeros":
+        inside = e.And(e.GreaterOrEqual(idx, e.ints([0])), e.LessOrEqual(idx, last))
+        mask = e.Cast(inside, to=int(ct))
+        w = mask if w is None else e.Mul(w, mask)
+        dw = None if dw is None else e.Mul(dw, mask)
+    if padding == "reflection":
+        idx = _reflect(e, idx, length, align)
+    else:  # border, and zeros (whose outside taps weigh 0)
+        idx = e.Min(e.Max(idx, e.ints([0])), last)
+    return idx, w, dw, scale
+
+
+def _place(e, v, a, r):
+    """[N, T_a, P] -> [N, 1, .., T_a, .., 1, P] with T_a on axis 1 + a of r tap axes."""
+    others = [1 + b for b in range(r) if b != a]
+    return e.unsqueeze(v, others) if others else v
+
+
+def _product(e, factors):
+    factors = [f for f in factors if f is not None]
+    if not factors:
+        return None
+    out = factors[0]
+    for f in factors[1:]:
+        out = e.Mul(out, f)
+    return out
+
+
+@register("GridSample")
+def grid_sample(n, dys, needs, e):
+    """Y[n, c, p] = sum over taps t of w_t(grid[n, p]) X[n, c, i_t(grid[n, p])]: the
+    sampling point x_a = denormalize(grid[..., a]) on every spatial axis (align_corners),
+    rounded half to even for nearest; taps floor(x_a) + {0} / {0, 1} / {-1, 0, 1, 2}
+    (nearest / linear / cubic), weights the products over axes of 1, (1 - f, f) or the
+    cubic kernel (a = -0.75) at the taps' distances; padding maps each tap index: zeros
+    drops taps outside, border clamps them, reflection reflects them (as onnxruntime and
+    torch do).
+
+    dX[n, c, i] = sum of dy[n, c, p] w_t(p) over the taps landing on i (ScatterND, add).
+    dgrid[n, p, a] = sum_c dy[n, c, p] sum_t X[n, c, i_t] dw_t / dx_a * dx_a / dgrid:
+    (w_t)' on axis a times the other axes' weights, times the denormalization slope
+    (length - 1) / 2 or length / 2; zero for nearest."""
+    x, grid = n.inputs
+    (dy,) = dys
+    mode = _text(n, "mode", "linear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)  # opset 16 names
+    padding = _text(n, "padding_mode", "zeros")
+    align = int(attr(n, "align_corners", 0))
+    if mode not in _OFFSETS or padding not in ("zeros", "border", "reflection"):
+        raise GradientRuleError(f"GridSample '{n.name}': mode {mode} / padding_mode {padding} has no gradient rule")
+    r = _spatial_rank(x, grid, dy)
+    gd = dims_of(grid)
+    if gd is not None and isinstance(gd[-1], int):
+        r = gd[-1]
+    if r is None:
+        raise GradientRuleError(f"GridSample '{n.name}': the gradient needs the rank of X or grid")
+    ct = _compute_type(grid)
+    xd = Dims(e, x)
+    lengths = [xd[2 + a] for a in range(r)]
+    batch, channels = xd[0], xd[1]
+    plane = iprod(e, lengths)  # H*W(*D)
+
+    coords = e.Transpose(e.reshape(cast_to(e, grid, ct), [0, -1, r]), perm=[0, 2, 1])  # [N, r, P]
+    idx, w, dw, slope = [], [], [], []
+    for a in range(r):  # grid[..., 0] is the last spatial axis
+        taps = _axis_taps(e, e.Gather(coords, e.ints([r - 1 - a]), axis=1), lengths[a], mode, padding, align, ct)
+        idx.append(_place(e, taps[0], a, r))
+        w.append(None if taps[1] is None else _place(e, taps[1], a, r))
+        dw.append(None if taps[2] is None else _place(e, taps[2], a, r))
+        slope.append(taps[3])
+    count = int(np.prod([len(_OFFSETS[mode])] * r))  # taps per sampling point
+
+    # flat row of each tap in X viewed as [N * plane, C]: n * plane + sum_a i_a * stride_a
+    flat, stride = None, 1
+    for a in reversed(range(r)):
+        term = idx[a] if stride == 1 else e.Mul(idx[a], vec(e, stride))
+        flat = term if flat is None else e.Add(flat, term)
+        stride = iprod(e, [stride, lengths[a]])
+    rows = e.Range(scalar_of(e, 0), scalar_of(e, batch), scalar_of(e, 1))
+    first = e.reshape(e.Mul(rows, vec(e, plane)), [-1] + [1] * (r + 1))
+    flat = e.reshape(e.Add(flat, first), [0, count, -1])  # [N, T, P]
+
+    def per_tap(v):  # [N, T_0, .., T_r-1, P] -> [N, T, P]
+        return e.reshape(v, [0, count, -1])
+
+    weight = _product(e, w)  # None: every weight is 1 (nearest without zero padding)
+    dyt = e.Transpose(e.reshape(dy, [0, 0, -1]), perm=[0, 2, 1])  # [N, P, C]
+    width = vec(e, channels)
+
+    dx = None
+    if needs[0]:
+        acc = accumulation_type(x, unique=False) or ir.DataType.FLOAT
+        upd = e.unsqueeze(cast_to(e, dyt, acc), [1])  # [N, 1, P, C]
+        if weight is not None:
+            upd = e.Mul(upd, e.unsqueeze(cast_to(e, per_tap(weight), acc), [3]))  # [N, T, P, C]
+        upd = e.Reshape(upd, e.Concat(e.ints([-1]), width, axis=0))
+        base = zeros(e, e.Concat(vec(e, iprod(e, [batch, plane])), width, axis=0), x, acc)
+        summed = e.ScatterND(base, e.reshape(flat, [-1, 1]), upd, reduction="add")  # [N * plane, C]
+        per_batch = e.Reshape(summed, e.Concat(vec(e, batch), vec(e, plane), width, axis=0))
+        dx = cast_to(e, reshape_like(e, e.Transpose(per_batch, perm=[0, 2, 1]), x), x.dtype)
+
+    dgrid = None
+    if needs[1]:
+        if mode == "nearest":
+            dgrid = e.zeros_like(grid)
+        else:
+            table = e.Reshape(e.Transpose(e.reshape(cast_to(e, x, ct), [0, 0, -1]), perm=[0, 2, 1]),
+                              e.Concat(e.ints([-1]), width, axis=0))  # [N * plane, C]
+            picked = e.Gather(table, flat, axis=0)  # [N, T, P, C]
+            dot = e.reduce("ReduceSum", e.Mul(picked, e.unsqueeze(cast_to(e, dyt, ct), [1])), [3],
+                           keepdims=False)  # [N, T, P]: sum_c dy X at each tap
+            parts = [None] * r
+            for a in range(r):
+                da = per_tap(_product(e, [dw[a]] + [w[b] for b in range(r) if b != a]))
+                da = e.reduce("ReduceSum", e.Mul(dot, da), [1], keepdims=True)  # [N, 1, P]
+                parts[r - 1 - a] = e.Mul(da, slope[a])
+            dgrid = e.Transpose(e.Concat(*parts, axis=1) if r > 1 else parts[0], perm=[0, 2, 1])  # [N, P, r]
+            dgrid = cast_to(e, reshape_like(e, dgrid, grid), grid.dtype)
+    return (dx, dgrid)
