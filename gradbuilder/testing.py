@@ -51,12 +51,22 @@ _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "Rand
                 "GroupNormalization": "stash_type"}
 
 
+# Inputs that must stay float32 whatever the model's precision: (op, input index).
+_FLOAT32_INPUTS = {("Resize", 2), ("Upsample", 1)}
+
+
 def _graph64(graph: onnx.GraphProto) -> None:
+    keep = {n.input[i] for n in graph.node for (op, i) in _FLOAT32_INPUTS
+            if n.op_type == op and len(n.input) > i and n.input[i]}
     for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
-        _retype(vi.type)
+        if vi.name not in keep:
+            _retype(vi.type)
     for i, t in enumerate(graph.initializer):
-        graph.initializer[i].CopyFrom(_tensor64(t))
+        if t.name not in keep:
+            graph.initializer[i].CopyFrom(_tensor64(t))
     for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] in keep:
+            continue
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
                 a.t.CopyFrom(_tensor64(a.t))
@@ -138,21 +148,42 @@ class GradcheckReport:
 
 
 def _evaluator(proto: onnx.ModelProto):
-    """onnx's reference evaluator, with Erf computed in the input's precision (onnx's own
-    Erf rounds through float32, which makes float64 finite differences noisy)."""
+    """onnx's reference evaluator, with ops that round through float32 replaced by versions
+    that keep the input's precision (float64 finite differences need it): Erf, GridSample
+    (which also learns opset 16's mode names) and AffineGrid."""
     import math
 
     from onnx.reference import ReferenceEvaluator
-    from onnx.reference.ops.op_erf import Erf
+    from onnx.reference.ops.op_affine_grid import AffineGrid as StockAffineGrid
+    from onnx.reference.ops.op_affine_grid import construct_original_grid
+    from onnx.reference.ops.op_erf import Erf as StockErf
+    from onnx.reference.ops.op_grid_sample import GridSample as StockGridSample
 
-    class Erf64(Erf):
+    class Erf(StockErf):  # new_ops are matched by class name
         op_domain = ""
 
         def _run(self, x):
             return (np.vectorize(math.erf, otypes=[x.dtype])(x),)
 
-    Erf64.__name__ = "Erf"
-    return ReferenceEvaluator(proto, new_ops=[Erf64])
+    class GridSample(StockGridSample):
+        op_domain = ""
+
+        def _gs_denormalize_coordinates(self, n, dims, align_corners):
+            return np.array([self._gs_denormalize(v, d, align_corners) for v, d in zip(n, dims)])
+
+        def _run(self, X, grid, mode=None, padding_mode=None, align_corners=None):
+            mode = mode or self.mode
+            mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+            return super()._run(X, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)
+
+    class AffineGrid(StockAffineGrid):
+        op_domain = ""
+
+        def _run(self, theta, size, align_corners=None):
+            base = construct_original_grid(list(size[2:]), align_corners or self.align_corners)
+            return (np.einsum("nij,...j->n...i", theta, base).astype(theta.dtype),)
+
+    return ReferenceEvaluator(proto, new_ops=[Erf, GridSample, AffineGrid])
 
 
 def _forward_model(proto: onnx.ModelProto, weights: Sequence[str], loss: str) -> onnx.ModelProto:
@@ -346,9 +377,7 @@ def make_op_model(
         helper.make_graph([node], "probe", graph_inputs, [helper.make_empty_tensor_value_info(o) for o in outs], inits),
         opset_imports=opsets,
     )
-    from onnx.reference import ReferenceEvaluator
-
-    values = ReferenceEvaluator(probe).run(None, feeds)
+    values = _evaluator(probe).run(None, feeds)
     nodes = [node]
     terms = []
     for o, v in zip(outs, values):

@@ -100,6 +100,13 @@ def with_loss(model, outputs: dict[str, np.ndarray], seed: int = 0):
     return m
 
 
+def _array(v):
+    import onnx
+    from onnx import numpy_helper
+
+    return numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else v
+
+
 def check_case(item) -> tuple[str, str, str, str]:
     """(op, case name, status, detail): status pass / mismatch / norule / notdiff / undefined / error."""
     op, case = item
@@ -112,6 +119,8 @@ def check_case(item) -> tuple[str, str, str, str]:
     inits = {t.name for t in graph.initializer}
     input_names = [i.name for i in graph.input if i.name not in inits]
     inputs, expected = case.data_sets[0]
+    inputs = [_array(v) for v in inputs]
+    expected = [_array(v) for v in expected]
     feeds = dict(zip(input_names, inputs))
     outs = dict(zip([o.name for o in graph.output], expected))
     if any(np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(np.asarray(v, dtype=np.float64)))

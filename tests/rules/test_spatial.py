@@ -9,9 +9,8 @@ with the reference's is switched off (ort=False) and the case says why.
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
-import gradbuilder.testing as testing
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.testing import check_op, gradcheck, make_op_model, ort_session, run_onnxruntime
@@ -25,62 +24,6 @@ def arr(rng, *shape):
 
 
 # ----------------------------------------------------------------------------- harness
-
-
-@pytest.fixture(autouse=True)
-def float32_scales(monkeypatch):
-    """Resize's ``scales`` must be float32, but gradcheck's float64 copy of the model makes
-    every float tensor float64 (the model no longer type-checks): keep them float32."""
-    stock = testing.to_float64
-
-    def to_float64(model):
-        proto = stock(model)
-        for t in proto.graph.initializer:
-            if t.name == "scales":
-                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(f32), t.name))
-        for v in proto.graph.input:
-            if v.name == "scales":
-                v.type.tensor_type.elem_type = TensorProto.FLOAT
-        return proto
-
-    monkeypatch.setattr(testing, "to_float64", to_float64)
-
-
-@pytest.fixture(autouse=True)
-def float64_reference(monkeypatch):
-    """onnx's reference GridSample rounds the sampling coordinates to float32 and knows only
-    opset 20's mode names; its AffineGrid returns float32. Both make float64 finite
-    differences useless, so the reference evaluator gets float64 versions of the two."""
-    import onnx.reference as reference
-    from onnx.reference.ops.op_affine_grid import AffineGrid as StockAffineGrid
-    from onnx.reference.ops.op_affine_grid import construct_original_grid
-    from onnx.reference.ops.op_grid_sample import GridSample as StockGridSample
-
-    class GridSample(StockGridSample):  # new_ops are matched by class name
-        op_domain = ""
-
-        def _gs_denormalize_coordinates(self, n, dims, align_corners):
-            return np.array([self._gs_denormalize(v, d, align_corners) for v, d in zip(n, dims)])
-
-        def _run(self, X, grid, mode=None, padding_mode=None, align_corners=None):
-            mode = mode or self.mode
-            mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
-            return super()._run(X, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)
-
-    class AffineGrid(StockAffineGrid):
-        op_domain = ""
-
-        def _run(self, theta, size, align_corners=None):
-            base = construct_original_grid(list(size[2:]), align_corners or self.align_corners)
-            return (np.einsum("nij,...j->n...i", theta, base).astype(theta.dtype),)
-
-    stock = reference.ReferenceEvaluator
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), GridSample, AffineGrid], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
 
 
 def ort_run(model, feeds):
