@@ -47,7 +47,7 @@ def _tensor64(t: onnx.TensorProto) -> onnx.TensorProto:
 
 _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "RandomNormal": "dtype", "RandomUniform": "dtype",
                 "RandomNormalLike": "dtype", "RandomUniformLike": "dtype", "Bernoulli": "dtype",
-                "Multinomial": "dtype",
+                "Multinomial": "dtype", "Attention": "softmax_precision",
                 "GroupNormalization": "stash_type"}
 
 
