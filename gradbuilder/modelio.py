@@ -173,6 +173,13 @@ class DetachedModel:
     def check(self) -> None:
         """onnx.checker with full_check; detached initializers are checked as typed inputs."""
         head, big = self._split()
+        # Runtimes define some ops in the ai.onnx domain that onnx has no schema for
+        # (onnxruntime's SimplifiedLayerNormalization): check those as custom-domain nodes.
+        unknown = [n for n in head.graph.node if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)]
+        for n in unknown:
+            n.domain = "gradbuilder.unchecked"
+        if unknown:
+            head.opset_import.append(onnx.helper.make_opsetid("gradbuilder.unchecked", 1))
         inputs = {i.name for i in head.graph.input}
         for t in big:
             if t.name not in inputs:

@@ -1,0 +1,436 @@
+"""onnxruntime contrib ops that models optimized by onnxruntime's transformer optimizer contain
+(domain ``com.microsoft``, opset 1): Gelu FastGelu BiasGelu QuickGelu FusedMatMul
+SkipLayerNormalization SkipSimplifiedLayerNormalization SimplifiedLayerNormalization BiasAdd
+BiasSoftmax.
+
+Each is a fusion of standard ops, and each backward is written in standard ai.onnx ops:
+
+* the GELU family is ``dx = dy * f'(u)`` with ``u`` the input plus the optional bias, and the
+  bias gradient ``dy`` summed over every axis but the last;
+* FusedMatMul is ``alpha * op(A) @ op(B)``: MatMul's rule on the transposed operands, its
+  gradients transposed back;
+* the normalizations standardize ``s = input + skip + bias`` over the last axes; their backward
+  is that of LayerNormalization (or of RMS normalization) plus the gradient of the
+  ``input_skip_bias_sum`` output;
+* BiasSoftmax is Softmax over the flattened axes ``[axis, rank)`` of ``data + bias``, the bias
+  rows reused for consecutive (inner) or cyclic (outer) groups of rows.
+
+onnxruntime registers SimplifiedLayerNormalization in the ai.onnx domain (version 1; the
+transformer optimizer writes it there), so its rule is registered for both domains. onnx's
+shape inference knows none of these ops, so their outputs reach the rules without dtype or
+shape: the rules take dtypes from the inputs and fall back to Shape-based subgraphs.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import onnx_ir as ir
+
+from gradbuilder.errors import GradientRuleError
+from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.rules.linalg import matmul
+
+MS = "com.microsoft"
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _input(n, i):
+    """Input ``i`` of ``n``, or None when it is absent (omitted or "")."""
+    return n.inputs[i] if len(n.inputs) > i else None
+
+
+def _padded(dys, count):
+    """The output gradients as a list of ``count`` entries (None for absent outputs)."""
+    return (list(dys) + [None] * count)[:count]
+
+
+def _like(*values):
+    """The first value whose dtype is known (constants take its dtype), else the first value."""
+    known = [v for v in values if v is not None and v.dtype is not None]
+    return known[0] if known else next(v for v in values if v is not None)
+
+
+def _c(e, value, *like):
+    return e.scalar(value, like=_like(*like))
+
+
+def _to(e, v, dtype):
+    """``v`` cast to ``dtype`` (unchanged when it already is, or when dtype is unknown)."""
+    if v is None or dtype is None or v.dtype == dtype:
+        return v
+    return e.Cast(v, to=int(dtype))
+
+
+def _static(dims):
+    return dims is not None and all(isinstance(d, int) for d in dims)
+
+
+def _sum_to(e, g, like):
+    """``g`` summed to the shape of ``like``. A 1-D ``like`` (a bias over the last axis) is a
+    Reshape to (-1, C) and one ReduceSum, whatever the rank of ``g``."""
+    d = dims_of(like)
+    if d is not None and len(d) == 1 and not _static(dims_of(g)):
+        last = e.ints([-1, d[0]]) if isinstance(d[0], int) else e.Concat(e.ints([-1]), e.Shape(like), axis=0)
+        out = e.reduce("ReduceSum", e.Reshape(g, last), [0], keepdims=False)
+        e._set(out, like.dtype, d)
+        return out
+    return e.unbroadcast(g, like)
+
+
+def _trailing_axes(e, x, axis):
+    """The axes [axis, rank): a list when the rank is known or axis < 0, else a Range value."""
+    d = dims_of(x)
+    if d is not None:
+        return list(range(axis % len(d), len(d))) if d else []
+    if axis < 0:
+        return list(range(axis, 0))
+    rank = e.Size(e.Shape(x))
+    return e.Range(e.const(np.array(axis, np.int64)), rank, e.const(np.array(1, np.int64)))
+
+
+# ----------------------------------------------------------------------------- GELU family
+
+
+def _gelu_slope(e, u):
+    """d/du of u Phi(u) = Phi(u) + u phi(u), Phi(u) = (1 + erf(u/sqrt 2))/2,
+    phi(u) = exp(-u^2/2)/sqrt(2 pi)."""
+    half, one = _c(e, 0.5, u), _c(e, 1.0, u)
+    cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(u, _c(e, 1.0 / math.sqrt(2.0), u)))))
+    pdf = e.Mul(_c(e, 1.0 / math.sqrt(2.0 * math.pi), u), e.Exp(e.Mul(_c(e, -0.5, u), e.Mul(u, u))))
+    return e.Add(cdf, e.Mul(u, pdf))
+
+
+def _gelu_tanh_slope(e, u):
+    """d/du of u (1 + t)/2 with t = tanh(k (u + a u^3)), k = sqrt(2/pi), a = 0.044715:
+    (1 + t)/2 + u/2 (1 - t^2) k (1 + 3 a u^2)."""
+    k, a = math.sqrt(2.0 / math.pi), 0.044715
+    half, one = _c(e, 0.5, u), _c(e, 1.0, u)
+    u2 = e.Mul(u, u)
+    t = e.Tanh(e.Mul(_c(e, k, u), e.Add(u, e.Mul(_c(e, a, u), e.Mul(u2, u)))))
+    du = e.Mul(_c(e, k, u), e.Add(one, e.Mul(_c(e, 3 * a, u), u2)))
+    return e.Add(e.Mul(half, e.Add(one, t)), e.Mul(e.Mul(half, u), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
+
+
+def _biased(n, dys, needs, e, slope):
+    """y = f(x + bias) with an optional 1-D bias: dx = dy * f'(x + bias), dbias = sum of dx
+    over every axis but the last."""
+    x, bias = n.inputs[0], _input(n, 1)
+    u = x if bias is None else e.Add(x, bias)
+    dx = e.Mul(dys[0], slope(e, u))
+    grads = [dx if needs[0] else None, _sum_to(e, dx, bias) if bias is not None and needs[1] else None]
+    return grads[: len(n.inputs)]
+
+
+@register("Gelu", domain=MS)
+def gelu(n, dys, needs, e):
+    """y = x Phi(x) (exact, erf form):  dx = dy * (Phi(x) + x phi(x))."""
+    return [e.Mul(dys[0], _gelu_slope(e, n.inputs[0]))]
+
+
+@register("BiasGelu", domain=MS)
+def bias_gelu(n, dys, needs, e):
+    """C = gelu(A + B) (erf form), B a 1-D bias over the last axis:
+    dA = dy * gelu'(A + B), dB = dA summed over every axis but the last."""
+    return _biased(n, dys, needs, e, _gelu_slope)
+
+
+@register("FastGelu", domain=MS)
+def fast_gelu(n, dys, needs, e):
+    """Y = u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3)))/2 with u = X (+ bias):
+    dX = dY * (tanh-GELU)'(u), dbias = dX summed over every axis but the last."""
+    return _biased(n, dys, needs, e, _gelu_tanh_slope)
+
+
+@register("QuickGelu", domain=MS)
+def quick_gelu(n, dys, needs, e):
+    """y = x sigmoid(alpha x) (alpha = 1.702 by default):
+    dx = dy * s (1 + alpha x (1 - s)), s = sigmoid(alpha x)."""
+    (x,) = n.inputs
+    alpha = _c(e, float(attr(n, "alpha", 1.702)), x)
+    s = e.Sigmoid(e.Mul(alpha, x))
+    local = e.Mul(s, e.Add(_c(e, 1.0, x), e.Mul(e.Mul(alpha, x), e.Sub(_c(e, 1.0, x), s))))
+    return [e.Mul(dys[0], local)]
+
+
+# ----------------------------------------------------------------------------- FusedMatMul
+
+
+def _operand_perm(rank, trans, trans_batch):
+    """The permutation FusedMatMul applies to an operand of ``rank``: transBatch moves axis 0
+    behind the other batch axes (to be the rows), trans swaps the two matrix axes; None for
+    the identity (and for vectors, which neither attribute changes)."""
+    if rank < 2:
+        return None
+    if trans_batch:
+        perm = list(range(1, rank - 1)) + ([rank - 1, 0] if trans else [0, rank - 1])
+    else:
+        perm = list(range(rank - 2)) + ([rank - 1, rank - 2] if trans else [rank - 2, rank - 1])
+    return None if perm == list(range(rank)) else perm
+
+
+def _unknown_rank(which, v):
+    return GradientRuleError(
+        f"FusedMatMul gradient needs the rank of input {which} '{v.name}', which shape inference left "
+        "unknown (onnx infers no com.microsoft op; give the model's values shapes, e.g. with "
+        "onnxruntime's symbolic shape inference)"
+    )
+
+
+def _operand(e, v, trans, trans_batch, which):
+    """(the operand as FusedMatMul uses it, the permutation applied or None)."""
+    dims = dims_of(v)
+    if dims is None:
+        raise _unknown_rank(which, v)
+    perm = _operand_perm(len(dims), trans, trans_batch)
+    return (v, None) if perm is None else (e.Transpose(v, perm=perm), perm)
+
+
+def _rows_first(e, v, like, axis):
+    """``v`` reshaped to (-1, dim ``axis`` of the 2-D ``like``)."""
+    d = dims_of(like)[axis]
+    if isinstance(d, int):
+        return e.reshape(v, [-1, d])
+    return e.Reshape(v, e.Concat(e.ints([-1]), e.Gather(e.Shape(like), e.ints([axis]), axis=0), axis=0))
+
+
+@register("FusedMatMul", domain=MS)
+def fused_matmul(n, dys, needs, e):
+    """Y = alpha * A' @ B' (MatMul semantics, batch broadcast), A' = A permuted by transA (swap
+    the last two axes) and transBatchA (axis 0 becomes the row axis, [1..r-2, 0, r-1], and the
+    column axis with transA, [1..r-2, r-1, 0]); B' likewise.
+    dA' = alpha dY @ B'^T, dB' = alpha A'^T @ dY (MatMul's rule), permuted back.
+    An A of unknown rank (activations after other contrib ops) times a 2-D B':
+    dA = alpha dY @ B'^T, dB' = alpha A2^T @ dY2 with A, dY flattened to (-1, k), (-1, n)."""
+    a, b = n.inputs
+    alpha = float(attr(n, "alpha", 1.0))
+    ta, tba = attr(n, "transA", 0), attr(n, "transBatchA", 0)
+    b2, pb = _operand(e, b, attr(n, "transB", 0), attr(n, "transBatchB", 0), "B")
+    dy = dys[0] if alpha == 1.0 else e.Mul(dys[0], _c(e, alpha, dys[0], a, b))
+    if dims_of(a) is None:
+        if ta or tba or len(dims_of(b2)) != 2:
+            raise _unknown_rank("A", a)
+        da = e.MatMul(dy, e.Transpose(b2, perm=[1, 0])) if needs[0] else None
+        db = e.Gemm(_rows_first(e, a, b2, 0), _rows_first(e, dy, b2, 1), transA=1) if needs[1] else None
+        pa = None
+    else:
+        a2, pa = _operand(e, a, ta, tba, "A")
+        # MatMul's rule only reads the node's inputs: hand it the permuted operands.
+        da, db = matmul(types.SimpleNamespace(inputs=(a2, b2)), [dy], needs, e)
+    if da is not None and pa is not None:
+        da = e.Transpose(da, perm=[int(i) for i in np.argsort(pa)])
+    if db is not None and pb is not None:
+        db = e.Transpose(db, perm=[int(i) for i in np.argsort(pb)])
+    return [da, db]
+
+
+# ----------------------------------------------------------------------------- normalizations
+
+
+def _compute_type(x, stash=ir.DataType.FLOAT):
+    """The dtype the statistics are computed in: ``stash`` for 16-bit x, else x's own."""
+    if x.dtype in _HALF and stash.itemsize > x.dtype.itemsize:
+        return stash
+    return x.dtype
+
+
+def _as_dtype_of(e, v, like):
+    """``v`` (int64) cast to ``like``'s dtype; float when that is unknown before opset 15 (as
+    ``e.scalar`` assumes)."""
+    if like.dtype is not None or e.opset >= 15:
+        return e.CastLike(v, like)
+    return e.Cast(v, to=int(ir.DataType.FLOAT))
+
+
+def _count(e, like, axes):
+    """M, the number of elements of ``like`` over ``axes``, in ``like``'s dtype."""
+    d = dims_of(like)
+    if isinstance(axes, list) and d is not None and all(isinstance(d[a], int) for a in axes):
+        return _c(e, float(np.prod([d[a] for a in axes])), like)
+    index = e.ints(axes) if isinstance(axes, list) else axes
+    sizes = e.Gather(e.Shape(like), index, axis=0)
+    return _as_dtype_of(e, e.reduce("ReduceProd", sizes, None, keepdims=False), like)
+
+
+def _mean(e, v, axes):
+    """Mean over ``axes`` (keepdims): ReduceMean for static axes, else ReduceSum / M."""
+    if isinstance(axes, list) or e.opset >= 18:
+        return e.reduce("ReduceMean", v, axes, keepdims=True)
+    return e.Div(e.reduce("ReduceSum", v, axes, keepdims=True), _count(e, v, axes))
+
+
+class _Norm:
+    """Statistics of ``s`` over ``axes``: mu = mean(s), r = 1/sqrt(mean((s - mu)^2) + eps) and
+    xhat = (s - mu) r; with ``centered=False`` (RMS norm) mu is 0: r = 1/sqrt(mean(s^2) + eps)."""
+
+    def __init__(self, e, s, axes, eps, centered):
+        self.e, self.axes, self.centered = e, axes, centered
+        d = e.Sub(s, _mean(e, s, axes)) if centered else s
+        self.r = e.Reciprocal(e.Sqrt(e.Add(_mean(e, e.Mul(d, d), axes), _c(e, eps, s))))
+        self.xhat = e.Mul(d, self.r)
+
+    def backward(self, g, dmu=None, dr=None):
+        """ds from g = dxhat and the gradients of mu and r (each may be None), with M the
+        number of elements per statistic:
+        ds = r (g - mean(g) - xhat mean(g xhat)) + (dmu - dr r^2 xhat)/M
+        (no mean(g) and no dmu for RMS norm)."""
+        e, xhat, r = self.e, self.xhat, self.r
+        ds = None
+        if g is not None:
+            inner = e.Sub(g, e.Mul(xhat, _mean(e, e.Mul(g, xhat), self.axes)))
+            if self.centered:
+                inner = e.Sub(inner, _mean(e, g, self.axes))
+            ds = e.Mul(r, inner)
+        extra = None
+        if dmu is not None and self.centered:
+            extra = dmu
+        if dr is not None:
+            part = e.Mul(e.Mul(dr, e.Mul(r, r)), xhat)
+            extra = e.Neg(part) if extra is None else e.Sub(extra, part)
+        if extra is not None:
+            extra = e.Div(extra, _count(e, xhat, self.axes))
+            if ds is None:
+                ds = e.expand_like(extra, xhat) if dr is None else extra  # dmu alone is per row
+            else:
+                ds = e.Add(ds, extra)
+        return ds
+
+
+def _skip_norm(n, dys, needs, e, centered):
+    """The SkipLayerNormalization family: s = input + skip (+ bias), y = xhat(s) gamma (+ beta)
+    over the last axis; outputs y, mean, inv_std_var, input_skip_bias_sum = s."""
+    x, skip, gamma = n.inputs[:3]
+    beta, bias = (_input(n, 3), _input(n, 4)) if centered else (None, _input(n, 3))
+    dy, dmu, dr, dsum = _padded(dys, 4)
+    if not centered:
+        dmu = None  # SkipSimplifiedLayerNormalization's mean output is not computed (zeros)
+    s = e.Add(x, skip)
+    if bias is not None:
+        s = e.Add(s, bias)
+    e._set(s, x.dtype, dims_of(x))
+    ds = xhat = None
+    if dy is not None or dmu is not None or dr is not None:
+        ct = _compute_type(x)
+        st = _Norm(e, _to(e, s, ct), [-1], float(attr(n, "epsilon", 1e-12)), centered)
+        xhat = st.xhat
+        g = _to(e, e.Mul(dy, gamma), ct) if dy is not None else None
+        ds = _to(e, st.backward(g, _to(e, dmu, ct), _to(e, dr, ct)), x.dtype)
+    if dsum is not None:
+        ds = dsum if ds is None else e.Add(ds, dsum)
+    grads = [None] * len(n.inputs)
+    if ds is not None:
+        grads[0] = ds if needs[0] else None
+        grads[1] = e.unbroadcast(ds, skip) if needs[1] else None
+        if bias is not None:
+            k = 4 if centered else 3
+            grads[k] = _sum_to(e, ds, bias) if needs[k] else None
+    if dy is not None:
+        if needs[2]:
+            grads[2] = _sum_to(e, e.Mul(dy, _to(e, xhat, gamma.dtype)), gamma)
+        if beta is not None and needs[3]:
+            grads[3] = _sum_to(e, dy, beta)
+    return grads
+
+
+@register("SkipLayerNormalization", domain=MS)
+def skip_layer_norm(n, dys, needs, e):
+    """s = input + skip + bias, y = (s - mu) r gamma + beta over the last axis,
+    r = 1/sqrt(var + epsilon) (epsilon = 1e-12 by default; statistics in float for 16-bit
+    inputs); outputs y, mean = mu, inv_std_var = r, input_skip_bias_sum = s.
+    ds = r (g - mean(g) - xhat mean(g xhat)) + (dmean - dinv_std_var r^2 xhat)/M
+    + dinput_skip_bias_sum with g = dy gamma; dinput = ds, dskip and dbias = ds summed to their
+    shapes; dgamma = sum(dy xhat), dbeta = sum(dy) over every axis but the last."""
+    return _skip_norm(n, dys, needs, e, centered=True)
+
+
+@register("SkipSimplifiedLayerNormalization", domain=MS)
+def skip_simplified_layer_norm(n, dys, needs, e):
+    """s = input + skip + bias, y = s r gamma over the last axis, r = 1/sqrt(mean(s^2) + eps)
+    (epsilon = 1e-12 by default); outputs y, mean (not computed: no gradient), inv_std_var = r,
+    input_skip_bias_sum = s.
+    ds = r (g - xhat mean(g xhat)) - dinv_std_var r^2 xhat/M + dinput_skip_bias_sum with
+    g = dy gamma; dgamma = sum(dy xhat) over every axis but the last."""
+    return _skip_norm(n, dys, needs, e, centered=False)
+
+
+def _simplified_layer_norm(n, dys, needs, e):
+    """Y = X r scale, r = 1/sqrt(mean(X^2) + epsilon) over the axes [axis, rank) (axis = -1,
+    epsilon = 1e-5 by default), in stash_type (float) for 16-bit X; outputs Y, inv_std_var = r.
+    dX = r (g - xhat mean(g xhat)) - dinv_std_var r^2 xhat/M with g = dY scale;
+    dscale = dY xhat summed to scale's shape."""
+    x, scale = n.inputs[:2]
+    dy, dr = _padded(dys, 2)
+    ct = _compute_type(x, ir.DataType(attr(n, "stash_type", 1)))
+    st = _Norm(e, _to(e, x, ct), _trailing_axes(e, x, attr(n, "axis", -1)),
+               float(attr(n, "epsilon", 1e-5)), centered=False)
+    dx = dscale = None
+    if needs[0]:
+        g = e.Mul(_to(e, dy, ct), _to(e, scale, ct)) if dy is not None else None
+        dx = _to(e, st.backward(g, None, _to(e, dr, ct)), x.dtype)
+    if needs[1] and dy is not None:
+        dscale = _sum_to(e, e.Mul(dy, _to(e, st.xhat, scale.dtype)), scale)
+    return [dx, dscale]
+
+
+register("SimplifiedLayerNormalization")(_simplified_layer_norm)
+register("SimplifiedLayerNormalization", domain=MS)(_simplified_layer_norm)
+
+
+# ----------------------------------------------------------------------------- BiasAdd, BiasSoftmax
+
+
+@register("BiasAdd", domain=MS)
+def bias_add(n, dys, needs, e):
+    """Y = X + bias + skip, X and skip (N, S, C) (the same shape), bias (C):  dX = dskip = dY,
+    dbias = dY summed over N and S."""
+    (dy,) = dys
+    return [dy if needs[0] else None, _sum_to(e, dy, n.inputs[1]) if needs[1] else None,
+            dy if needs[2] else None]
+
+
+def _row_size(e, x, axis):
+    """E = the number of elements of x from ``axis`` on (an int, or a 1-D int64 value)."""
+    d = dims_of(x)
+    if _static(d):
+        return int(np.prod(d[axis:])) if d else 1
+    return e.reduce("ReduceProd", e.shape(x, axis), None, keepdims=True)
+
+
+@register("BiasSoftmax", domain=MS)
+def bias_softmax(n, dys, needs, e):
+    """Y = softmax(data + bias) over the flattened axes [axis, rank) (axis = 1 by default).
+    With data as R rows of E elements and bias as Rb rows, row i adds bias row i // (R / Rb)
+    (is_inner_broadcast = 1; also the older form, whose broadcast_axis attribute says which axes
+    the bias is broadcast along) or i % Rb (is_inner_broadcast = 0).
+    dZ = Y (dY - sum(dY Y) over the row), ddata = dZ, dbias = dZ summed over the rows that share
+    a bias row."""
+    x, b = n.inputs
+    (y,) = n.outputs
+    (dy,) = dys
+    axis = int(attr(n, "axis", 1))
+    inner = attr(n, "is_inner_broadcast", None)
+    inner = True if inner is None else bool(inner)  # the older form (broadcast_axis) is inner
+    axes = _trailing_axes(e, x, axis)
+    dz = e.Mul(y, e.Sub(dy, e.reduce("ReduceSum", e.Mul(dy, y), axes, keepdims=True)))
+    e._set(dz, x.dtype, dims_of(x))
+    db = None
+    if needs[1]:
+        elems = _row_size(e, x, axis)
+        bd = dims_of(b)
+        if isinstance(elems, int) and _static(bd):
+            rows = int(np.prod(bd)) // elems
+            grouped = e.reshape(dz, [rows, -1, elems] if inner else [-1, rows, elems])
+            db = e.reshape(e.reduce("ReduceSum", grouped, [1 if inner else 0], keepdims=False), list(bd))
+        else:
+            ev = e.ints([elems]) if isinstance(elems, int) else elems
+            rows = e.Div(e.reshape(e.Size(b), [1]), ev)
+            shape3 = e.Concat(rows, e.ints([-1]), ev, axis=0) if inner else e.Concat(e.ints([-1]), rows, ev, axis=0)
+            summed = e.reduce("ReduceSum", e.Reshape(dz, shape3), [1 if inner else 0], keepdims=False)
+            db = e.Reshape(summed, e.Shape(b))
+        e._set(db, b.dtype, bd)
+    return [dz if needs[0] else None, db]
