@@ -127,6 +127,11 @@ def attr(node: ir.Node, name: str, default=None):
     return v
 
 
+def optional_input(node: ir.Node, i: int) -> ir.Value | None:
+    """Input ``i`` of ``node``, or None when it is absent (omitted or "")."""
+    return node.inputs[i] if len(node.inputs) > i else None
+
+
 def constant_of(value: ir.Value | None) -> np.ndarray | None:
     """The numpy value of ``value`` when it is statically known (initializer or Constant)."""
     if value is None or value.is_graph_input():

@@ -10,15 +10,11 @@ import math
 
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, constant_of, register
+from gradbuilder.registry import attr, constant_of, optional_input, register
 
 
 # ----------------------------------------------------------------------------- helpers
 
-
-def _input(n, i):
-    """Input ``i`` of ``n``, or None when it is absent (omitted or "")."""
-    return n.inputs[i] if len(n.inputs) > i else None
 
 
 def _output(n, i):
@@ -180,7 +176,7 @@ def clip(n, dys, needs, e):
     dlo = sum of dy where x < lo (and lo < hi when hi is given);
     dhi = sum of dy where x > hi (or everywhere when hi < lo: then y = hi).
     """
-    x, lo, hi = n.inputs[0], _input(n, 1), _input(n, 2)
+    x, lo, hi = n.inputs[0], optional_input(n, 1), optional_input(n, 2)
     (dy,) = dys
     below = e.Less(x, lo) if lo is not None else None
     above = e.Greater(x, hi) if hi is not None else None
@@ -208,7 +204,7 @@ def dropout(n, dys, needs, e):
     A dynamic training_mode selects the scale at run time (mask is all true in inference).
     The ratio gets no gradient.
     """
-    x, ratio, training = n.inputs[0], _input(n, 1), _input(n, 2)
+    x, ratio, training = n.inputs[0], optional_input(n, 1), optional_input(n, 2)
     (y,) = n.outputs[:1]
     dy = dys[0]
     if dy is None:
@@ -249,7 +245,7 @@ def cumsum(n, dys, needs, e):
 @register("Trilu")
 def trilu(n, dys, needs, e):
     """A 0/1 mask on the last two axes, its own adjoint: dx = Trilu(dy, k, upper)."""
-    k = _input(n, 1)
+    k = optional_input(n, 1)
     extra = [k] if k is not None else []
     return (e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)),)
 

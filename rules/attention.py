@@ -39,7 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.registry import attr, dims_of, optional_input, register
 from gradbuilder.rules.shape import (
     INT64_MAX,
     Dims,
@@ -55,9 +55,6 @@ from gradbuilder.rules.shape import (
     zeros,
 )
 
-
-def _input(n, i):
-    return n.inputs[i] if len(n.inputs) > i else None
 
 
 def _add(e, *parts):
@@ -113,7 +110,7 @@ class _Layout:
 
     def __init__(self, n, e):
         q, k, v = n.inputs[:3]
-        self.past_k, self.past_v = _input(n, 4), _input(n, 5)
+        self.past_k, self.past_v = optional_input(n, 4), optional_input(n, 5)
         rank = Dims(e, q).rank
         self.three_d = rank == 3 if rank is not None else attr(n, "q_num_heads") is not None
         if self.three_d:
@@ -176,7 +173,7 @@ def _allowed(e, n, lay):
     or nonpad_kv_seqlen[b] - Sq with an external cache."""
     causal = attr(n, "is_causal", 0)
     left, right = attr(n, "left_window_size", -1), attr(n, "right_window_size", -1)
-    nonpad = _input(n, 6)
+    nonpad = optional_input(n, 6)
     if not causal and left < 0 and right < 0 and nonpad is None:
         return None
     cols = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, lay.total), scalar_of(e, 1)), [1, -1])
@@ -208,7 +205,7 @@ def _allowed(e, n, lay):
 
 def _bias(e, n, lay, like):
     """(bias or None, mask length when the mask may be shorter than the total sequence)."""
-    mask = _input(n, 3)
+    mask = optional_input(n, 3)
     neg_inf, zero = e.scalar(float("-inf"), like=like), e.scalar(0.0, like=like)
     parts, mask_len = [], None
     total = lay.total
@@ -248,7 +245,7 @@ def attention(n, dys, needs, e):
     K, V, a float attn_mask, past_key and past_value through Y, present_key,
     present_value and qk_matmul_output (any mode)."""
     q, k, v = n.inputs[:3]
-    mask = _input(n, 3)
+    mask = optional_input(n, 3)
     dy, d_present_k, d_present_v, dqk = (list(dys) + [None] * 4)[:4]
     mode = attr(n, "qk_matmul_output_mode", 0)
     cap = float(attr(n, "softcap", 0.0) or 0.0)
@@ -348,7 +345,7 @@ def rotary_embedding(n, dys, needs, e):
     scatter-added into the cache rows named by position_ids (or, without them, the
     caches are (B, S, R/2) already)."""
     x, cos, sin = n.inputs[:3]
-    positions = _input(n, 3)
+    positions = optional_input(n, 3)
     (dy,) = dys
     dx = dcos = dsin = None
     if needs[0]:

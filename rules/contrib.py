@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.registry import attr, dims_of, optional_input, register
 from gradbuilder.rules.linalg import matmul
 
 MS = "com.microsoft"
@@ -39,10 +39,6 @@ _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 # ----------------------------------------------------------------------------- helpers
 
-
-def _input(n, i):
-    """Input ``i`` of ``n``, or None when it is absent (omitted or "")."""
-    return n.inputs[i] if len(n.inputs) > i else None
 
 
 def _padded(dys, count):
@@ -120,7 +116,7 @@ def _gelu_tanh_slope(e, u):
 def _biased(n, dys, needs, e, slope):
     """y = f(x + bias) with an optional 1-D bias: dx = dy * f'(x + bias), dbias = sum of dx
     over every axis but the last."""
-    x, bias = n.inputs[0], _input(n, 1)
+    x, bias = n.inputs[0], optional_input(n, 1)
     u = x if bias is None else e.Add(x, bias)
     dx = e.Mul(dys[0], slope(e, u))
     grads = [dx if needs[0] else None, _sum_to(e, dx, bias) if bias is not None and needs[1] else None]
@@ -305,7 +301,7 @@ def _skip_norm(n, dys, needs, e, centered):
     """The SkipLayerNormalization family: s = input + skip (+ bias), y = xhat(s) gamma (+ beta)
     over the last axis; outputs y, mean, inv_std_var, input_skip_bias_sum = s."""
     x, skip, gamma = n.inputs[:3]
-    beta, bias = (_input(n, 3), _input(n, 4)) if centered else (None, _input(n, 3))
+    beta, bias = (optional_input(n, 3), optional_input(n, 4)) if centered else (None, optional_input(n, 3))
     dy, dmu, dr, dsum = _padded(dys, 4)
     if not centered:
         dmu = None  # SkipSimplifiedLayerNormalization's mean output is not computed (zeros)

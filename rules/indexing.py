@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register
 from gradbuilder.rules.shape import (
     Dims,
     accumulation_type,
@@ -37,9 +37,6 @@ from gradbuilder.rules.shape import (
 )
 
 
-def _input(n, i):
-    return n.inputs[i] if len(n.inputs) > i else None
-
 
 # ----------------------------------------------------------------------------- Slice
 
@@ -50,7 +47,7 @@ def _slice_pads(e, n, dims):
 
     Start and end follow the ONNX rules: negative values count from the end, then they are
     clamped to [0, dim] (step 1) or start to [0, dim-1], end to [-1, dim-1] (step -1)."""
-    x, starts, ends, axes_in, steps_in = (_input(n, i) for i in range(5))
+    x, starts, ends, axes_in, steps_in = (optional_input(n, i) for i in range(5))
     rank = dims.rank
     if rank is None:
         return None

@@ -31,12 +31,9 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register
 from gradbuilder.rules.shape import Dims, accumulation_type, as_int64, cast_to, reshape_like, scalar_of, vec, zeros
 
-
-def _input(n, i):
-    return n.inputs[i] if len(n.inputs) > i else None
 
 
 def _ordinals(e, like):
@@ -199,7 +196,7 @@ def tensor_scatter(n, dys, needs, e):
     TensorScatter writing zeros into dy); d update = dy read at those positions: a Slice
     without write_indices, else GatherElements at w[b] + s."""
     past, update = n.inputs[0], n.inputs[1]
-    write = _input(n, 2)
+    write = optional_input(n, 2)
     (dy,) = dys
     mode = attr(n, "mode", "linear")
     dpast = dupd = None

@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register
 from gradbuilder.rules.shape import (
     HALF_TYPES,
     Dims,
@@ -40,9 +40,6 @@ from gradbuilder.rules.shape import (
     zeros,
 )
 
-
-def _input(n, i):
-    return n.inputs[i] if len(n.inputs) > i else None
 
 
 def _text(n, name, default):
@@ -241,7 +238,7 @@ def resize(n, dys, needs, e):
     keep_aspect_ratio_policy needs constant sizes and static lengths, and is refused where
     an axis' round(scale * length) differs from floor(scale * length)."""
     x = n.inputs[0]
-    roi, scales, sizes = (_input(n, i) for i in (1, 2, 3))
+    roi, scales, sizes = (optional_input(n, i) for i in (1, 2, 3))
     (dy,) = dys
     if e.opset < 11:
         raise GradientRuleError(f"Resize '{n.name}': opset {e.opset} < 11 is not supported")
