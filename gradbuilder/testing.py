@@ -294,6 +294,18 @@ def gradcheck(
     return GradcheckReport(checks, loss_value, grads)
 
 
+def numeric_gradient(f, base: np.ndarray, eps: float) -> np.ndarray:
+    """Central finite differences of the scalar function ``f`` at ``base``, every element."""
+    num = np.zeros_like(base)
+    flat = base.reshape(-1)
+    for i in range(flat.size):
+        plus, minus = flat.copy(), flat.copy()
+        plus[i] += eps
+        minus[i] -= eps
+        num.reshape(-1)[i] = (f(plus.reshape(base.shape)) - f(minus.reshape(base.shape))) / (2 * eps)
+    return num
+
+
 # ----------------------------------------------------------------------------- onnxruntime
 
 

@@ -6,7 +6,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import gradcheck, make_op_model, ort_session
+from gradbuilder.testing import gradcheck, make_op_model, numeric_gradient, ort_session
 
 
 def ort_grads(model, weights, feeds):
@@ -97,12 +97,5 @@ def ort_gradcheck(op, inputs, attrs=None, *, opset, graph_ints=(), eps=1e-6):
     model.ir_version = 10
     sess, got = ort_grads(model, list(floats), feeds)
     for w, base in floats.items():
-        num = np.zeros_like(base)
-        for i in range(base.size):
-            plus, minus = base.copy().reshape(-1), base.copy().reshape(-1)
-            plus[i] += eps
-            minus[i] -= eps
-            lp = sess.run(["loss"], {**feeds, w: plus.reshape(base.shape)})[0]
-            lm = sess.run(["loss"], {**feeds, w: minus.reshape(base.shape)})[0]
-            num.reshape(-1)[i] = (lp - lm) / (2 * eps)
+        num = numeric_gradient(lambda v: sess.run(["loss"], {**feeds, w: v})[0], base, eps)
         np.testing.assert_allclose(got[f"{w}_grad"], num, rtol=1e-5, atol=1e-7)

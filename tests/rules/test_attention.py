@@ -4,7 +4,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, make_op_model, ort_session, to_float64
+from gradbuilder.testing import check_op, make_op_model, numeric_gradient, ort_session, to_float64
 
 f32 = np.float32
 B, S, D = 2, 3, 4
@@ -191,14 +191,7 @@ def ort_gradcheck(op, inputs, attrs, *, outputs, opset=23, eps=1e-6):
     got = ort_grads(model, list(floats), floats)
     sess = ort_session(model)
     for w, base in floats.items():
-        num = np.zeros_like(base)
-        for i in range(base.size):
-            plus, minus = base.copy().reshape(-1), base.copy().reshape(-1)
-            plus[i] += eps
-            minus[i] -= eps
-            lp = sess.run(["loss"], {**floats, w: plus.reshape(base.shape)})[0]
-            lm = sess.run(["loss"], {**floats, w: minus.reshape(base.shape)})[0]
-            num.reshape(-1)[i] = (lp - lm) / (2 * eps)
+        num = numeric_gradient(lambda v: sess.run(["loss"], {**floats, w: v})[0], base, eps)
         np.testing.assert_allclose(got[w], num, rtol=1e-5, atol=1e-7, err_msg=w)
 
 
