@@ -12,15 +12,26 @@ if not (_here / "rules").is_dir() and (_here.parent / "rules" / "__init__.py").i
 from .builder import GradientGraphBuilder
 from .params import TrainingParameters
 from .training import TrainingGraphBuilder
+from .session import TrainingSession, TrainingIOBinding
+from .providers import (
+    clear_training_ep_instances,
+    get_available_providers,
+    get_build_info,
+    get_version_string,
+    has_collective_ops,
+    register_provider_lib,
+)
 from .registry import Emitter, register_stop_gradient_edges
 from .registry import register as register_gradient
 from .errors import (
+    CheckpointError,
     GradBuilderError,
     GradientRuleError,
     InvalidArgumentError,
     InvalidModelError,
     ModelLoadError,
     OutputError,
+    ProviderError,
     UnsupportedOpError,
 )
 
@@ -44,6 +55,14 @@ __all__ = [
     "GradientGraphBuilder",
     "TrainingGraphBuilder",
     "TrainingParameters",
+    "TrainingSession",
+    "TrainingIOBinding",
+    "get_available_providers",
+    "clear_training_ep_instances",
+    "register_provider_lib",
+    "has_collective_ops",
+    "get_version_string",
+    "get_build_info",
     "Emitter",
     "register_gradient",
     "register_gradient_definition",
@@ -54,5 +73,7 @@ __all__ = [
     "InvalidModelError",
     "ModelLoadError",
     "OutputError",
+    "ProviderError",
+    "CheckpointError",
     "UnsupportedOpError",
 ]

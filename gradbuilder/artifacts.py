@@ -18,6 +18,7 @@ from . import modelio
 from .errors import InvalidArgumentError
 from .passes.cleanup import remove_unused_nodes
 from .passes.optimizer import initial_state
+from .training import optimizer_only_model
 
 
 def export_model_for_inferencing(model, output_path: str | os.PathLike, output_names: Sequence[str],
@@ -53,6 +54,9 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
     ir_model.graph.outputs.clear()
     ir_model.graph.outputs.extend(_output_values(ir_model.graph, [values[n] for n in names]))
     remove_unused_nodes(ir_model)
+    read = {v.name for n in ir.traversal.RecursiveGraphIterator(ir_model.graph) for v in n.inputs if v is not None}
+    for v in [v for v in ir_model.graph.inputs if v.name not in read and not v.is_graph_output()]:
+        ir_model.graph.inputs.remove(v)  # read only by what was dropped (e.g. the loss's labels)
     out = modelio.DetachedModel(ir.to_proto(ir_model), {})
     out.check()
     out.save(output_path)
@@ -112,7 +116,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     options = resolve(optimizer, optimizer_options)
     training = GradientGraphBuilder(proto, weights, [loss_name], loss_name).build()
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
-    optimizer_model = _optimizer_model(inits, weights, optimizer, options)
+    optimizer_model = optimizer_only_model({w: inits[w] for w in weights}, optimizer, options)
     state = {"Step": np.array(0, np.int64)}
     for w in weights:
         state[w] = inits[w]
@@ -138,25 +142,3 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
         for leftover in tmp.glob("*"):
             leftover.unlink()
         tmp.rmdir()
-
-
-def _optimizer_model(inits: dict[str, np.ndarray], weights: list[str], name: str, options: dict) -> onnx.ModelProto:
-    """A graph of the optimizer update alone: weights and gradients in, updated values out."""
-    from .passes.optimizer import add_optimizer
-    from .registry import Emitter
-
-    opset = 17
-    ws = [ir.Value(name=w, type=ir.TensorType(ir.DataType(onnx.helper.np_dtype_to_tensor_dtype(inits[w].dtype))),
-                   shape=ir.Shape(list(inits[w].shape))) for w in weights]
-    grads = [ir.Value(name=f"{w.name}_grad", type=ir.TensorType(w.dtype), shape=w.shape) for w in ws]
-    graph = ir.Graph(ws + grads, [], nodes=[], name="optimizer", opset_imports={"": opset})
-    e = Emitter(graph, opset)
-    e._used.update(v.name for v in ws + grads)
-    update = add_optimizer(e, ws, {w.name: g for w, g in zip(ws, grads)}, name, options, "Learning_Rate", "Step")
-    for v in reversed(update.inputs[:2]):  # Learning_Rate, Step first
-        graph.inputs.insert(0, v)
-    graph.inputs.extend(update.inputs[2:])
-    graph.outputs.extend(update.outputs)
-    proto = ir.to_proto(ir.Model(graph, ir_version=8))
-    onnx.checker.check_model(proto, full_check=True)
-    return proto

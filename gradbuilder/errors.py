@@ -31,3 +31,11 @@ class GradientRuleError(GradBuilderError):
 
 class OutputError(GradBuilderError):
     """The result could not be serialized or written."""
+
+
+class CheckpointError(GradBuilderError):
+    """A checkpoint could not be written, or read back: corrupt, truncated, or from another model."""
+
+
+class ProviderError(GradBuilderError):
+    """An execution provider does not exist, cannot be loaded, or failed."""

@@ -22,9 +22,11 @@ step to the inputs of the next):
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 from onnx import numpy_helper
 
 from . import modelio
@@ -192,3 +194,30 @@ def _optimizer_options(name: str, params, weights: list[str]) -> tuple[dict, flo
         key = _ORT_KEYS.get(key, key)
         options[key] = bool(value) if key in ("bias_correction", "nesterov", "amsgrad") else value
     return resolve(name, options), max_norm
+
+
+def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: dict,
+                         max_grad_norm: float | None = None, opset: int = 17) -> onnx.ModelProto:
+    """A graph of the optimizer update alone (clipping first with ``max_grad_norm``): inputs
+    ``Learning_Rate``, ``Step``, every weight ``W`` (``weights`` gives dtypes and shapes), its
+    gradient ``W_grad`` and its states ``W.<state>``; outputs ``W.updated``,
+    ``W.<state>.updated``, ``Step.updated``."""
+    from .registry import Emitter
+
+    ws = [ir.Value(name=w, type=ir.TensorType(ir.DataType(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(v.dtype)))),
+                   shape=ir.Shape(list(v.shape))) for w, v in weights.items()]
+    grads = [ir.Value(name=f"{w.name}_grad", type=ir.TensorType(w.dtype), shape=w.shape) for w in ws]
+    graph = ir.Graph(ws + grads, [], nodes=[], name="optimizer", opset_imports={"": opset})
+    e = Emitter(graph, opset)
+    e._used.update(v.name for v in ws + grads)
+    clipped = {w.name: g for w, g in zip(ws, grads)}
+    if max_grad_norm is not None:
+        clipped = clip_by_global_norm(e, ws, clipped, max_grad_norm)
+    update = add_optimizer(e, ws, clipped, name, options, "Learning_Rate", "Step")
+    for v in reversed(update.inputs[:2]):  # Learning_Rate, Step first
+        graph.inputs.insert(0, v)
+    graph.inputs.extend(update.inputs[2:])
+    graph.outputs.extend(update.outputs)
+    proto = ir.to_proto(ir.Model(graph, ir_version=8))
+    onnx.checker.check_model(proto, full_check=True)
+    return proto

@@ -13,10 +13,17 @@ def copy_type(out: _ir.Value, value: _ir.Value, stacked: bool = False) -> None:
 
 
 def named_output(e, value: _ir.Value, name: str, like: _ir.Value) -> _ir.Value:
-    """``value`` through an Identity named ``name`` (a graph output), typed like ``like``."""
-    out = e.Identity(value)
-    out.name = name
+    """``value`` renamed ``name`` (a graph output), typed like ``like``. A value that cannot
+    take the name (a graph input or initializer, or one already named as another output)
+    goes through an Identity instead; renaming spares the runtime a copy of every updated
+    weight and state per step."""
     e._used.add(name)
+    if value.producer() is not None and not value.is_graph_input() and not value.meta.get("gradbuilder.output"):
+        out = value
+    else:
+        out = e.Identity(value)
+    out.name = name
+    out.meta["gradbuilder.output"] = True
     out.dtype, out.shape = like.dtype, like.shape
     return out
 

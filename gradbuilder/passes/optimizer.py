@@ -120,8 +120,11 @@ def _sgd(e, w, g, lr, t, states, o):
 
 def _adam(e, w, g, lr, t, states, o, decoupled=False):
     """(AdamW: w *= 1 - lr wd)  (Adam: g += wd w)
-    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  (amsgrad: v_max = max(v_max, v))
-    w -= lr / (1 - b1^t) * m / (sqrt(v or v_max) / sqrt(1 - b2^t) + eps)"""
+    m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2;  (amsgrad: v_max = max(v_max, v))
+    w -= lr / (1 - b1^t) * m / (sqrt(v or v_max) / sqrt(1 - b2^t) + eps)
+
+    computed as w -= s * m / (sqrt(v) + eps sqrt(1 - b2^t)) with the scalar
+    s = lr sqrt(1 - b2^t) / (1 - b1^t): one pass over the weight fewer."""
     b1, b2 = (float(b) for b in o["betas"])
     one = _scalar(e, 1.0, w)
     if o["weight_decay"]:
@@ -130,7 +133,8 @@ def _adam(e, w, g, lr, t, states, o, decoupled=False):
             w = e.Mul(w, e.Sub(one, e.Mul(lr, wd)))
         else:
             g = e.Add(g, e.Mul(wd, w))
-    m = e.Add(e.Mul(_scalar(e, b1, w), states["exp_avg"]), e.Mul(_scalar(e, 1.0 - b1, w), g))
+    m = states["exp_avg"]
+    m = e.Add(m, e.Mul(e.Sub(g, m), _scalar(e, 1.0 - b1, w)))
     v = e.Add(e.Mul(_scalar(e, b2, w), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
     new = {"exp_avg": m, "exp_avg_sq": v}
     second = v
@@ -138,8 +142,10 @@ def _adam(e, w, g, lr, t, states, o, decoupled=False):
         second = e.Max(states["max_exp_avg_sq"], v)
         new["max_exp_avg_sq"] = second
     bias1, bias2 = _bias_corrections(e, w, t, b1, b2, o["bias_correction"])
-    denom = e.Add(e.Div(e.Sqrt(second), e.Sqrt(bias2)), _scalar(e, o["eps"], w))
-    return e.Sub(w, e.Mul(e.Div(lr, bias1), e.Div(m, denom))), new
+    root2 = e.Sqrt(bias2)
+    step_size = e.Div(e.Mul(lr, root2), bias1)
+    denom = e.Add(e.Sqrt(second), e.Mul(_scalar(e, o["eps"], w), root2))
+    return e.Sub(w, e.Mul(e.Div(m, denom), step_size)), new
 
 
 def _bias_corrections(e, w, t, b1, b2, enabled):

@@ -1,0 +1,704 @@
+"""TrainingSession: train an ONNX model on stock onnxruntime.
+
+    >>> params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw")
+    >>> sess = TrainingSession("model.onnx", params)
+    >>> sess.set_learning_rate(1e-3)
+    >>> loss, = sess.run(["loss"], {"x": x, "y": y})        # one full step
+
+The forward model and the ``TrainingParameters`` are turned into ONNX graphs in standard
+operators (``training.py``); the session runs them with onnxruntime and keeps the training
+state between steps:
+
+- ``step``: forward, backward, (accumulation, clipping) and optimizer in one graph — ``run``;
+- ``gradients`` / ``accumulate``: forward and backward only, the gradients returned or added
+  to buffers — ``train_step`` (onnxruntime's on-device training API);
+- ``optimizer``: the update alone from those buffers — ``optimizer_step``;
+- ``eval``: the forward with the current weights — ``eval_step``.
+
+Each graph is built and loaded on first use. Weights, gradients and optimizer state live
+as ``OrtValue``s on the execution device; every run binds them with IOBinding and takes the
+updated values (``W.updated``, ``W.<state>.updated``, ...) as the next inputs, so no tensor of
+the state passes through numpy between steps. Every call validates its input before running
+and changes the state only after a run succeeded: a failed call leaves the session as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from . import checkpoint, modelio, providers as _providers, schedulers
+from .builder import GradientGraphBuilder
+from .errors import CheckpointError, InvalidArgumentError, ProviderError
+from .passes import named_output, new_input
+from .passes.accumulate import COUNTER
+from .passes.optimizer import state_names
+from .training import from_parameters, optimizer_only_model
+
+_NP_OF_ORT = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
+    "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+class _Gradients(GradientGraphBuilder):
+    """Forward + backward; gradient of ``W`` as output ``W.grad_accum.updated``: the gradient
+    itself, or with ``accumulate`` the input buffer ``W.grad_accum`` plus the gradient."""
+
+    def __init__(self, model, weights, outputs, loss, accumulate: bool):
+        super().__init__(model, weights, outputs, loss)
+        self.accumulate = accumulate
+
+    def _after_gradients(self, e, weights, grads):
+        inputs, outputs = [], []
+        for w in weights:
+            g = grads[w.name]
+            if self.accumulate:
+                buf = new_input(e, f"{w.name}.grad_accum", w.dtype, w.shape)
+                inputs.append(buf)
+                g = e.Add(buf, g)
+            outputs.append(named_output(e, g, f"{w.name}.grad_accum.updated", w))
+        return inputs, outputs
+
+    def _gradients_as_outputs(self) -> bool:
+        return False
+
+
+class _Graph:
+    """One compiled graph: its onnxruntime session and the names of its inputs and outputs."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+        self.inputs = {a.name: a for a in session.get_inputs()}
+        self.outputs = [a.name for a in session.get_outputs()]
+
+
+class TrainingSession:
+    """Trains ``path_or_bytes`` (a forward ONNX model whose loss is ``parameters.loss_output_name``)
+    on onnxruntime. The model and ``parameters`` are never modified."""
+
+    def __init__(self, path_or_bytes, parameters, sess_options: ort.SessionOptions | None = None,
+                 providers: Sequence | None = None, provider_options: Sequence[dict] | None = None):
+        from .params import TrainingParameters
+
+        if not isinstance(parameters, TrainingParameters):
+            raise InvalidArgumentError(f"parameters must be a gradbuilder.TrainingParameters, got "
+                                       f"{type(parameters).__name__}")
+        self._params = TrainingParameters.from_dict(parameters.to_dict())
+        self._model = onnx.ModelProto()
+        self._model.CopyFrom(modelio.load_proto(path_or_bytes))
+        self._builder = from_parameters(self._model, self._params, outputs=self._output_names())
+        self.weights = list(self._builder.weights)
+        self.loss_name = self._builder.loss
+        self._options = self._builder.optimizer_options
+        self._optimizer = self._builder.optimizer
+        self._sess_options = sess_options or _default_session_options()
+        self._providers, self._provider_options = _providers.resolve_providers(providers, provider_options)
+        self._device = _providers.device_of(self._providers, self._provider_options)
+        self._fallback = True
+        self._graphs: dict[str, _Graph] = {}
+        self._training = True
+        self._lr = 1e-3
+        self._lr_value = None
+        self._scheduler = None
+        self._reset_grads = True
+        self._grads: dict[str, ort.OrtValue] = {}
+        inits = {t.name: t for t in self._model.graph.initializer}
+        self._frozen = [t.name for t in self._model.graph.initializer if t.name not in self.weights
+                        and t.data_type in _FLOAT_TYPES]
+        state = self._builder.initial_state()
+        state.update({w: numpy_helper.to_array(inits[w]) for w in self.weights})
+        self._state = {name: self._ortvalue(value) for name, value in state.items()}
+        self._fingerprint = _fingerprint(self.weights, state, self._optimizer)
+
+    # ------------------------------------------------------------------ graphs and values
+    def _output_names(self) -> list[str]:
+        names = [o.name for o in self._model.graph.output]
+        loss = self._params.loss_output_name
+        return names if loss in names else [loss] + names
+
+    def _user_inputs(self) -> list[str]:
+        inits = {t.name for t in self._model.graph.initializer}
+        return [i.name for i in self._model.graph.input if i.name not in inits]
+
+    def _graph(self, kind: str) -> _Graph:
+        if kind not in self._graphs:
+            model = self._build(kind)
+            session = _providers.cached_session(model, self._sess_options, self._providers, self._provider_options)
+            self._graphs[kind] = _Graph(session)
+        return self._graphs[kind]
+
+    def _build(self, kind: str) -> bytes:
+        """The serialized graph ``kind``, with the trained weights as plain inputs (the
+        session holds no copy of them)."""
+        if kind == "step":
+            proto = self._builder.build().model_proto
+        elif kind in ("gradients", "accumulate"):
+            proto = _Gradients(self._model, self.weights, self._output_names(), self.loss_name,
+                               accumulate=kind == "accumulate").build().model_proto
+        elif kind == "optimizer":
+            inits = {t.name: t for t in self._model.graph.initializer}
+            shapes = {w: np.zeros(tuple(inits[w].dims), onnx.helper.tensor_dtype_to_np_dtype(inits[w].data_type))
+                      for w in self.weights}
+            max_norm = self._builder.max_grad_norm
+            proto = optimizer_only_model(shapes, self._optimizer, self._options, max_norm)
+        elif kind == "eval":
+            proto = onnx.ModelProto()
+            proto.CopyFrom(self._model)
+            have = {i.name for i in proto.graph.input}
+            for t in proto.graph.initializer:
+                if t.name in self.weights and t.name not in have:
+                    proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            raise AssertionError(kind)
+        keep = [t for t in proto.graph.initializer if t.name not in self.weights]
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(keep)
+        return proto.SerializeToString()
+
+    def _ortvalue(self, value) -> ort.OrtValue:
+        if isinstance(value, ort.OrtValue):
+            return value
+        kind, index = self._device
+        return ort.OrtValue.ortvalue_from_numpy(np.asarray(value, order="C"), kind, index)
+
+    def _lr_ortvalue(self) -> ort.OrtValue:
+        if self._lr_value is None:
+            self._lr_value = self._ortvalue(np.array(self._lr, np.float32))
+        return self._lr_value
+
+    def _run(self, kind: str, feeds: Mapping[str, object], state: Mapping[str, ort.OrtValue],
+             outputs: Sequence[str] | None = None, run_options=None) -> dict[str, ort.OrtValue]:
+        """Run graph ``kind`` with the user's ``feeds`` (validated) and the ``state`` values;
+        returns every output as an OrtValue. Falls back to CPU once on a provider failure."""
+        graph = self._graph(kind)
+        bound = self._check_feeds(graph, feeds, state)
+        bound.update(state)
+        try:
+            return self._bind_and_run(graph, bound, outputs, run_options)
+        except _OrtErrors.InvalidArgument as exc:
+            raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
+        except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail) as exc:
+            if not self._fallback or self._device[0] == "cpu":
+                raise ProviderError(f"onnxruntime failed running the {kind} graph on {self._providers[0]}: "
+                                    f"{exc}") from exc
+            warnings.warn(f"{self._providers[0]} failed ({exc}); falling back to CPUExecutionProvider",
+                          RuntimeWarning, stacklevel=3)
+            self.set_providers(["CPUExecutionProvider"])
+            bound = {n: self._ortvalue(_numpy(v)) for n, v in bound.items()}
+            return self._bind_and_run(self._graph(kind), bound, outputs, run_options)
+
+    def _bind_and_run(self, graph: _Graph, bound, outputs, run_options) -> dict[str, ort.OrtValue]:
+        binding = graph.session.io_binding()
+        for name, value in bound.items():
+            binding.bind_ortvalue_input(name, value)
+        kind, index = self._device
+        names = graph.outputs if outputs is None else list(outputs)
+        for name in names:
+            binding.bind_output(name, kind, index)
+        graph.session.run_with_iobinding(binding, run_options)
+        return dict(zip(names, binding.get_outputs()))
+
+    def _check_feeds(self, graph: _Graph, feeds: Mapping[str, object], state) -> dict[str, ort.OrtValue]:
+        """The user's feeds as OrtValues, after checking names, dtypes and static dims against
+        the graph's inputs."""
+        if not isinstance(feeds, Mapping):
+            raise InvalidArgumentError(f"input_feed must be a dict of input name -> array, got {type(feeds).__name__}")
+        expected = [n for n in graph.inputs if n not in state]
+        unknown = [n for n in feeds if n not in graph.inputs or n in state]
+        if unknown:
+            raise InvalidArgumentError(f"input_feed: no model input named {unknown}; the inputs are {expected}")
+        missing = [n for n in expected if n not in feeds]
+        if missing:
+            raise InvalidArgumentError(f"input_feed: missing input(s) {missing}; the inputs are {expected}")
+        out = {}
+        for name in expected:
+            value, arg = feeds[name], graph.inputs[name]
+            if isinstance(value, ort.OrtValue):
+                dtype, shape = value.data_type(), value.shape()
+            else:
+                value = np.asarray(value)
+                dtype, shape = f"tensor({_ORT_OF_NP.get(value.dtype.type, value.dtype.name)})", list(value.shape)
+            if dtype != arg.type:
+                raise InvalidArgumentError(f"input '{name}': expected {arg.type}, got {dtype}; convert it, "
+                                           f"e.g. x.astype(numpy.{np.dtype(_NP_OF_ORT.get(arg.type, np.float32)).name})")
+            dims = arg.shape
+            if len(shape) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(dims, shape)):
+                raise InvalidArgumentError(f"input '{name}': expected shape {dims}, got {list(shape)}")
+            out[name] = self._ortvalue(value)
+        return out
+
+    def _lr_feed(self, feeds: Mapping[str, object]) -> dict[str, object]:
+        """``feeds`` less the learning rate, which becomes the session's (onnxruntime-training's
+        loops feed it with every step under ``lr_params_feed_name``)."""
+        lr_name = self._builder.lr_name
+        if lr_name in feeds:
+            feeds = dict(feeds)
+            self.set_learning_rate(float(np.asarray(_numpy(feeds.pop(lr_name))).reshape(())))
+        return feeds
+
+    # ------------------------------------------------------------------ one full step
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, object], run_options=None) -> list:
+        """One training step (forward, backward, optimizer); returns ``output_names`` (None:
+        every output of the model) as numpy arrays."""
+        return [_numpy(v) for v in self.run_with_ort_values(output_names, input_feed, run_options)]
+
+    def run_with_ort_values(self, output_names, input_feed, run_options=None) -> list[ort.OrtValue]:
+        """``run`` taking and returning OrtValues (numpy arrays are accepted as feeds too)."""
+        feeds = self._lr_feed(input_feed)
+        names = self._check_outputs(output_names)
+        state = {**self._state, self._builder.lr_name: self._lr_ortvalue()}
+        results = self._run("step", feeds, state, run_options=run_options)
+        self._take_updates(results)
+        return [results[n] for n in names]
+
+    def _check_outputs(self, output_names) -> list[str]:
+        available = self._output_names() + ([f"{w}_grad" for w in self.weights]
+                                            if self._builder.gradients_as_outputs else [])
+        if output_names is None:
+            return self._output_names()
+        if isinstance(output_names, str):
+            raise InvalidArgumentError(f"output_names is a list of names, got the string {output_names!r}")
+        unknown = [n for n in output_names if n not in available]
+        if unknown:
+            raise InvalidArgumentError(f"output_names: no output named {unknown}; the outputs are {available}")
+        return list(output_names)
+
+    def _take_updates(self, results: Mapping[str, ort.OrtValue]) -> None:
+        for name, value in results.items():
+            if name.endswith(".updated"):
+                self._state[name[: -len(".updated")]] = value
+
+    def io_binding(self) -> "TrainingIOBinding":
+        return TrainingIOBinding(self)
+
+    def run_with_iobinding(self, iobinding: "TrainingIOBinding", run_options=None) -> None:
+        """One training step with the inputs bound in ``iobinding``; its outputs then hold
+        the bound outputs."""
+        if not isinstance(iobinding, TrainingIOBinding) or iobinding._session is not self:
+            raise InvalidArgumentError("run_with_iobinding takes the binding made by this session's io_binding()")
+        names = list(iobinding._outputs)
+        results = self.run_with_ort_values(names, iobinding._inputs, run_options)
+        iobinding._results = results
+
+    # ------------------------------------------------------------------ the step-wise API
+    def train(self, mode: bool = True) -> "TrainingSession":
+        self._training = bool(mode)
+        return self
+
+    def eval(self) -> "TrainingSession":
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    def __call__(self, *inputs):
+        return self.train_step(*inputs) if self._training else self.eval_step(*inputs)
+
+    def _positional(self, inputs) -> dict[str, object]:
+        names = self._user_inputs()
+        if len(inputs) == 1 and isinstance(inputs[0], Mapping):
+            return dict(inputs[0])
+        if len(inputs) != len(names):
+            raise InvalidArgumentError(f"expected {len(names)} input(s) {names}, got {len(inputs)}")
+        return dict(zip(names, inputs))
+
+    def train_step(self, *inputs):
+        """Forward and backward: returns the model's outputs; the gradients are added to the
+        gradient buffers (or replace them after ``lazy_reset_grad``)."""
+        if not self._training:
+            raise InvalidArgumentError("train_step in eval mode; call train() first")
+        kind = "gradients" if self._reset_grads else "accumulate"
+        state = {w: self._state[w] for w in self.weights}
+        if kind == "accumulate":
+            state.update({f"{w}.grad_accum": self._grads[w] for w in self.weights})
+        results = self._run(kind, self._positional(inputs), state)
+        self._grads = {w: results[f"{w}.grad_accum.updated"] for w in self.weights}
+        self._reset_grads = False
+        return _user_result([_numpy(results[n]) for n in self._output_names()])
+
+    def eval_step(self, *inputs):
+        """The forward with the current weights: returns the model's outputs."""
+        results = self._run("eval", self._positional(inputs), {w: self._state[w] for w in self.weights})
+        return _user_result([_numpy(results[n]) for n in self._output_names() if n in results])
+
+    def lazy_reset_grad(self) -> None:
+        """The next ``train_step`` replaces the gradient buffers instead of adding to them."""
+        self._reset_grads = True
+
+    def optimizer_step(self) -> None:
+        """Update the weights with the accumulated gradients (clipped when the parameters ask)."""
+        if not self._grads:
+            raise InvalidArgumentError("optimizer_step before any train_step: there are no gradients yet")
+        state = {n: v for n, v in self._state.items() if n not in (COUNTER,) and not n.endswith(".grad_accum")}
+        state.update({f"{w}_grad": self._grads[w] for w in self.weights})
+        state["Learning_Rate"] = self._lr_ortvalue()
+        results = self._run("optimizer", {}, state)
+        self._take_updates(results)
+
+    def get_learning_rate(self) -> float:
+        return self._lr
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        lr = float(learning_rate)
+        if not np.isfinite(lr) or lr < 0:
+            raise InvalidArgumentError(f"learning rate must be finite and >= 0, got {learning_rate!r}")
+        if lr != self._lr:
+            self._lr, self._lr_value = lr, None
+
+    def register_scheduler(self, scheduler, **kwargs):
+        """Drive the learning rate by ``scheduler``: "linear" (warm-up then decay),
+        "cosine", "constant_with_warmup", "step", a callable ``step -> lr``, or a schedule
+        object from ``gradbuilder.schedulers``. The schedule starts from the current learning
+        rate; ``scheduler_step()`` advances it."""
+        if isinstance(scheduler, schedulers.Schedule):
+            self._scheduler = scheduler
+        else:
+            self._scheduler = schedulers.make(scheduler, self._lr, **kwargs)
+        self.set_learning_rate(self._scheduler.lr(self._scheduler.step_count))
+        return self._scheduler
+
+    def scheduler_step(self) -> float:
+        if self._scheduler is None:
+            raise InvalidArgumentError("scheduler_step without a scheduler; call register_scheduler first")
+        self.set_learning_rate(self._scheduler.step())
+        return self._lr
+
+    def _parameter_names(self, trainable_only: bool) -> list[str]:
+        return list(self.weights) if trainable_only else list(self.weights) + self._frozen
+
+    def _parameter_values(self, trainable_only: bool) -> dict[str, np.ndarray]:
+        values = {w: _numpy(self._state[w]) for w in self.weights}
+        if not trainable_only:
+            inits = {t.name: t for t in self._model.graph.initializer}
+            values.update({n: numpy_helper.to_array(inits[n]) for n in self._frozen})
+        return values
+
+    def get_parameters_size(self, trainable_only: bool = True) -> int:
+        return int(sum(np.prod(v.shape, dtype=np.int64) for v in self._parameter_values(trainable_only).values()))
+
+    def get_contiguous_parameters(self, trainable_only: bool = True) -> ort.OrtValue:
+        """Every parameter flattened into one float32 OrtValue, in ``get_state`` order."""
+        flat = [v.astype(np.float32).ravel() for v in self._parameter_values(trainable_only).values()]
+        return ort.OrtValue.ortvalue_from_numpy(np.concatenate(flat) if flat else np.zeros(0, np.float32))
+
+    def copy_parameters_to_buffer(self, buffer, trainable_only: bool = True) -> None:
+        """Copy the parameters into ``buffer`` (a float32 numpy array or CPU OrtValue of
+        ``get_parameters_size`` elements)."""
+        target = _writable_view(buffer, self.get_parameters_size(trainable_only))
+        target[:] = _numpy(self.get_contiguous_parameters(trainable_only))
+
+    def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
+        """Set the parameters from ``buffer`` (the layout of ``copy_parameters_to_buffer``)."""
+        flat = np.asarray(_numpy(buffer) if isinstance(buffer, ort.OrtValue) else buffer).ravel()
+        values = self._parameter_values(trainable_only)
+        size = sum(v.size for v in values.values())
+        if flat.size != size:
+            raise InvalidArgumentError(f"buffer has {flat.size} elements; the parameters have {size}")
+        offset, new = 0, {}
+        for name, old in values.items():
+            new[name] = flat[offset: offset + old.size].reshape(old.shape).astype(old.dtype)
+            offset += old.size
+        self._assign(new)
+
+    def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
+                                     graph_output_names: Sequence[str]) -> str:
+        """Write the forward model with the trained weights, keeping ``graph_output_names``."""
+        from .artifacts import export_model_for_inferencing
+
+        return export_model_for_inferencing(self._model, inference_model_uri, graph_output_names,
+                                            weights=self._parameter_values(True))
+
+    # ------------------------------------------------------------------ state
+    def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict:
+        """{"full_precision": {weight: array}} (onnxruntime-training's layout). Without mixed
+        precision there are no half-precision copies to include."""
+        return {"full_precision": {w: _numpy(self._state[w]) for w in self.weights}}
+
+    def get_optimizer_state(self) -> dict:
+        """{weight: {state: array}, "shared_optimizer_state": {"Step": array}}."""
+        out = {w: {s: _numpy(self._state[f"{w}.{s}"]) for s in state_names(self._optimizer, self._options)}
+               for w in self.weights}
+        out["shared_optimizer_state"] = {"Step": _numpy(self._state["Step"])}
+        return out
+
+    def get_state(self) -> dict:
+        return {"model": self.get_model_state(), "optimizer": self.get_optimizer_state(), "partition_info": {}}
+
+    def load_state(self, state_dict: Mapping, strict: bool = False) -> None:
+        """Set weights and optimizer state from ``get_state()``'s layout (or a flat
+        {name: array} dict with ``W``, ``W.<state>`` and ``Step`` names). Unknown names, and
+        with ``strict`` missing ones, are errors; nothing changes unless everything fits."""
+        if not isinstance(state_dict, Mapping):
+            raise InvalidArgumentError(f"load_state takes a dict, got {type(state_dict).__name__}")
+        flat = _flatten_state(state_dict)
+        if strict:
+            missing = [n for n in self._state_names() if n not in flat]
+            if missing:
+                raise InvalidArgumentError(f"load_state(strict=True): missing {missing}")
+        self._assign(flat)
+
+    def _state_names(self) -> list[str]:
+        names = list(self.weights) + ["Step"]
+        names += [f"{w}.{s}" for w in self.weights for s in state_names(self._optimizer, self._options)]
+        return names
+
+    def _assign(self, values: Mapping[str, np.ndarray]) -> None:
+        """Replace state values (and frozen parameters) after checking every name, shape and dtype."""
+        current = {**{n: self._state[n] for n in self._state}, **{n: None for n in self._frozen}}
+        unknown = [n for n in values if n not in current]
+        if unknown:
+            raise InvalidArgumentError(f"no weight or optimizer state named {unknown} in this session "
+                                       f"(it has {sorted(self._state_names())})")
+        frozen_inits = {t.name: t for t in self._model.graph.initializer if t.name in self._frozen}
+        checked = {}
+        for name, value in values.items():
+            value = np.asarray(_numpy(value) if isinstance(value, ort.OrtValue) else value)
+            if name in frozen_inits:
+                t = frozen_inits[name]
+                shape, dtype = tuple(t.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+            else:
+                old = self._state[name]
+                shape, dtype = tuple(old.shape()), np.dtype(_NP_OF_ORT[old.data_type()])
+            if value.shape != shape or value.dtype != dtype:
+                raise InvalidArgumentError(f"'{name}': expected {dtype.name} {list(shape)}, got "
+                                           f"{value.dtype.name} {list(value.shape)}")
+            checked[name] = value
+        for name, value in checked.items():
+            if name in frozen_inits:
+                frozen_inits[name].CopyFrom(numpy_helper.from_array(value, name))
+                self._graphs.clear()
+            else:
+                self._state[name] = self._ortvalue(value.copy())
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write weights, optimizer state, step, learning rate and scheduler state to ``path``
+        (safetensors, written atomically; see ``gradbuilder.checkpoint``)."""
+        tensors = {n: _numpy(v) for n, v in self._state.items()}
+        tensors.update({f"{w}.grad": _numpy(v) for w, v in self._grads.items()})
+        metadata = {
+            "model": self._fingerprint,
+            "optimizer": json.dumps({"name": self._optimizer, "options": _jsonable(self._options)}),
+            "learning_rate": repr(self._lr),
+            "scheduler": json.dumps(self._scheduler.state_dict()) if self._scheduler is not None else "",
+            "reset_grads": str(self._reset_grads),
+        }
+        checkpoint.save(path, tensors, metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Resume from ``save_checkpoint``'s file: verified first (integrity, the same model
+        and optimizer); the session changes only when all of it fits."""
+        tensors, metadata = checkpoint.load(path)
+        if metadata.get("model") != self._fingerprint:
+            ours, theirs = set(self._state), {n for n in tensors if not n.endswith(".grad")}
+            detail = []
+            if theirs - ours:
+                detail.append(f"it has {sorted(theirs - ours)[:5]} which this session does not")
+            if ours - theirs:
+                detail.append(f"it lacks {sorted(ours - theirs)[:5]}")
+            for n in sorted(ours & theirs):
+                if tuple(tensors[n].shape) != tuple(self._state[n].shape()):
+                    detail.append(f"'{n}' is {list(tensors[n].shape)}, here {list(self._state[n].shape())}")
+                    break
+            raise CheckpointError(f"checkpoint {os.fspath(path)} was saved from another model or optimizer"
+                                  + (": " + "; ".join(detail) if detail else ""))
+        grads = {n[: -len(".grad")]: v for n, v in tensors.items() if n.endswith(".grad")}
+        state = {n: v for n, v in tensors.items() if not n.endswith(".grad")}
+        scheduler = None
+        if metadata.get("scheduler"):
+            scheduler = schedulers.from_state_dict(json.loads(metadata["scheduler"]),
+                                                   fn=getattr(self._scheduler, "fn", None))
+        lr = float(metadata.get("learning_rate", self._lr))
+        self._assign(state)
+        self._grads = {w: self._ortvalue(v) for w, v in grads.items()}
+        self._reset_grads = metadata.get("reset_grads", "True") == "True" or not self._grads
+        self._scheduler = scheduler if scheduler is not None else self._scheduler
+        self.set_learning_rate(lr)
+
+    # ------------------------------------------------------------------ session facts
+    def get_inputs(self):
+        """The inputs a step feeds: the model's inputs (onnxruntime NodeArgs)."""
+        graph = self._graph("step")
+        return [graph.inputs[n] for n in self._user_inputs()]
+
+    def get_outputs(self):
+        graph = self._graph("step")
+        args = {a.name: a for a in graph.session.get_outputs()}
+        return [args[n] for n in self._output_names()]
+
+    def get_overridable_initializers(self):
+        return self._graph("step").session.get_overridable_initializers()
+
+    def get_modelmeta(self):
+        return self._graph("step").session.get_modelmeta()
+
+    def get_providers(self) -> list[str]:
+        return list(self._providers)
+
+    def get_provider_options(self) -> dict:
+        return {p: dict(o) for p, o in zip(self._providers, self._provider_options)}
+
+    def get_session_options(self) -> ort.SessionOptions:
+        return self._sess_options
+
+    def set_providers(self, providers: Sequence | None = None, provider_options: Sequence[dict] | None = None) -> None:
+        """Run on other providers: the graphs are loaded again; weights and optimizer state
+        move to the new device and are kept."""
+        names, options = _providers.resolve_providers(providers, provider_options)
+        device = _providers.device_of(names, options)
+        self._providers, self._provider_options, self._graphs = names, options, {}
+        if device != self._device:
+            self._device = device
+            self._state = {n: self._ortvalue(_numpy(v)) for n, v in self._state.items()}
+            self._grads = {n: self._ortvalue(_numpy(v)) for n, v in self._grads.items()}
+            self._lr_value = None
+
+    def enable_fallback(self) -> None:
+        """On an execution-provider failure, carry on with CPUExecutionProvider (the default)."""
+        self._fallback = True
+
+    def disable_fallback(self) -> None:
+        self._fallback = False
+
+    def end_profiling(self) -> str:
+        """End profiling of the step graph (``sess_options.enable_profiling``); returns the file."""
+        return self._graph("step").session.end_profiling()
+
+    def get_profiling_start_time_ns(self) -> int:
+        return self._graph("step").session.get_profiling_start_time_ns()
+
+    def get_partition_info_map(self) -> dict:
+        """Which slice of each weight this process holds: nothing is partitioned (one process)."""
+        return {}
+
+    def is_output_fp32_node(self, output_name: str) -> bool:
+        """Whether ``output_name`` is a float32 output (always its own type: no mixed precision)."""
+        types = {o.name: o.type.tensor_type.elem_type for o in self._model.graph.output}
+        return types.get(output_name) == onnx.TensorProto.FLOAT
+
+    @property
+    def scheduler(self):
+        """The registered learning-rate schedule, or None."""
+        return self._scheduler
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates done so far."""
+        return int(_numpy(self._state["Step"]))
+
+
+class TrainingIOBinding:
+    """onnxruntime's IOBinding for a training step: bind the model's inputs and outputs; the
+    session binds its own state. Outputs are left on the execution device."""
+
+    def __init__(self, session: TrainingSession):
+        self._session = session
+        self._inputs: dict[str, object] = {}
+        self._outputs: dict[str, None] = {}
+        self._results: list[ort.OrtValue] = []
+
+    def bind_cpu_input(self, name: str, arr: np.ndarray) -> None:
+        self._inputs[name] = np.asarray(arr)
+
+    def bind_ortvalue_input(self, name: str, ortvalue: ort.OrtValue) -> None:
+        self._inputs[name] = ortvalue
+
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr) -> None:
+        raise InvalidArgumentError("bind_input with a raw pointer is not supported for training; "
+                                   "use bind_ortvalue_input or bind_cpu_input")
+
+    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0, element_type=None,
+                    shape=None, buffer_ptr=None) -> None:
+        self._outputs[name] = None
+
+    def bind_ortvalue_output(self, name: str, ortvalue=None) -> None:
+        self._outputs[name] = None
+
+    def clear_binding_inputs(self) -> None:
+        self._inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        self._outputs.clear()
+
+    def get_outputs(self) -> list[ort.OrtValue]:
+        return list(self._results)
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        return [_numpy(v) for v in self._results]
+
+    def synchronize_inputs(self) -> None:
+        pass
+
+    def synchronize_outputs(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- helpers
+_OrtErrors = ort.capi.onnxruntime_pybind11_state
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+_ORT_OF_NP = {np.float32: "float", np.float64: "double", np.float16: "float16", np.int64: "int64",
+              np.int32: "int32", np.int16: "int16", np.int8: "int8", np.uint8: "uint8", np.uint16: "uint16",
+              np.uint32: "uint32", np.uint64: "uint64", np.bool_: "bool"}
+
+
+def _default_session_options() -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return so
+
+
+def _numpy(value):
+    return value.numpy() if isinstance(value, ort.OrtValue) else value
+
+
+def _user_result(values: list):
+    return values[0] if len(values) == 1 else values
+
+
+def _writable_view(buffer, size: int) -> np.ndarray:
+    if isinstance(buffer, ort.OrtValue):
+        if buffer.device_name().lower() != "cpu":
+            raise InvalidArgumentError("copy_parameters_to_buffer: the buffer must be a CPU OrtValue")
+        view = buffer.numpy()  # shares the OrtValue's memory on CPU
+    elif isinstance(buffer, np.ndarray):
+        view = buffer
+    else:
+        raise InvalidArgumentError(f"buffer must be a numpy array or OrtValue, got {type(buffer).__name__}")
+    if view.size != size or view.dtype != np.float32:
+        raise InvalidArgumentError(f"buffer must be float32 with {size} elements, got {view.dtype} {view.size}")
+    return view.reshape(-1)
+
+
+def _flatten_state(state: Mapping) -> dict[str, np.ndarray]:
+    """get_state()'s nested layout (or a flat dict) as {name: array}."""
+    if "model" not in state and "optimizer" not in state:
+        return dict(state)
+    flat = dict(state.get("model", {}).get("full_precision", {}))
+    for weight, states in state.get("optimizer", {}).items():
+        for s, value in states.items():
+            flat[s if weight == "shared_optimizer_state" else f"{weight}.{s}"] = value
+    return flat
+
+
+def _fingerprint(weights: Iterable[str], state: Mapping[str, np.ndarray], optimizer: str) -> str:
+    """Identifies the model and optimizer a checkpoint belongs to: names, dtypes and shapes."""
+    items = sorted((n, np.asarray(v).dtype.str, list(np.shape(v))) for n, v in state.items())
+    return hashlib.sha256(json.dumps([optimizer, sorted(weights), items]).encode()).hexdigest()
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
+
+
