@@ -1,0 +1,437 @@
+"""Checkpoints: the safetensors layout byte for byte, round trips, atomic writes, and damaged
+files refused with CheckpointError."""
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gradbuilder import checkpoint
+from gradbuilder.errors import CheckpointError, InvalidArgumentError
+
+DAMAGED = r"corrupt|truncated"
+
+# safetensors dtype name -> little-endian numpy dtype, written out from the format's spec
+SPEC_DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16,
+    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+}
+
+
+def sample(code, shape, seed=0):
+    """Random values covering the dtype's range (floats include nan, inf and -0.0)."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(SPEC_DTYPES[code])
+    size = int(np.prod(shape))
+    if code == "BOOL":
+        flat = rng.integers(0, 2, size).astype(bool)
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        flat = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+    else:
+        flat = (rng.standard_normal(size) * 100).astype(dtype)
+        flat[: min(size, 4)] = np.array([np.nan, np.inf, -np.inf, -0.0], np.float32)[: min(size, 4)]
+    return flat.reshape(shape)
+
+
+def read_raw(path):
+    """(N, header dict, header bytes, data bytes), parsed by hand from the spec."""
+    blob = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    raw = blob[8:8 + n]
+    return n, json.loads(raw.decode("utf-8")), raw, blob[8 + n:]
+
+
+def digest_of(header, data):
+    """The documented digest: SHA-256 of the header less the digest (sorted JSON), then the data."""
+    described = json.loads(json.dumps(header))
+    described.get("__metadata__", {}).pop("sha256", None)
+    return hashlib.sha256(json.dumps(described, sort_keys=True, ensure_ascii=False).encode() + data).hexdigest()
+
+
+def write_raw(path, header, data, fix_sha=True):
+    """A file from a header dict and data bytes; sha256 set to the documented digest if asked."""
+    header = json.loads(json.dumps(header))
+    if fix_sha and "__metadata__" in header:
+        header["__metadata__"]["sha256"] = digest_of(header, data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def small_checkpoint(path):
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, -2, 3], np.int64),
+               "step": np.array(7, np.int64)}
+    checkpoint.save(path, tensors, {"model": "tiny"})
+    return tensors
+
+
+def raiser(exc):
+    def fail(*args, **kwargs):
+        raise exc
+    return fail
+
+
+def assert_same(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+# --- round trips -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", sorted(SPEC_DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)])
+def test_round_trip_every_dtype_and_shape(tmp_path, code, shape):
+    array = sample(code, shape)
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(path, {"t": array})
+    tensors, _ = checkpoint.load(path)
+    assert list(tensors) == ["t"]
+    assert_same(tensors["t"], array)
+    _, header, _, _ = read_raw(path)
+    assert header["t"]["dtype"] == code and header["t"]["shape"] == list(shape)
+
+
+def test_round_trip_many_tensors_keeps_order_and_returns_owned_writable_arrays(tmp_path):
+    tensors = {f"{code.lower()}.{i}": sample(code, shape, seed=i)
+               for i, (code, shape) in enumerate((c, s) for c in SPEC_DTYPES for s in [(), (0, 4), (3, 2)])}
+    checkpoint.save(tmp_path / "c", tensors)
+    got, _ = checkpoint.load(tmp_path / "c")
+    assert list(got) == list(tensors)
+    for name, array in tensors.items():
+        assert_same(got[name], array)
+        assert got[name].flags.writeable and got[name].flags.owndata
+    got["f32.3"][...] = 0  # writable, and independent of the other arrays
+    assert_same(got["f32.4"], tensors["f32.4"])
+
+
+def test_metadata_round_trip_and_format_and_digest_added(tmp_path):
+    meta = {"model": "tiny", "epoch": "3", "note": "ünïcode ✓", "empty": ""}
+    checkpoint.save(tmp_path / "c", {"x": np.ones(3, np.float32)}, meta)
+    _, got = checkpoint.load(tmp_path / "c")
+    assert {k: got[k] for k in meta} == meta
+    assert got["format"] == "gradbuilder-checkpoint/1"
+    _, header, _, data = read_raw(tmp_path / "c")
+    assert got["sha256"] == digest_of(header, data)
+    # what load returns can be saved again: save sets format and sha256 itself
+    checkpoint.save(tmp_path / "d", *checkpoint.load(tmp_path / "c"))
+    assert checkpoint.load(tmp_path / "d")[1] == got
+
+
+def test_no_tensors(tmp_path):
+    checkpoint.save(tmp_path / "c", {})
+    tensors, meta = checkpoint.load(tmp_path / "c")
+    _, header, _, data = read_raw(tmp_path / "c")
+    assert tensors == {} and data == b"" and meta["sha256"] == digest_of(header, b"")
+
+
+# --- the layout, checked by hand against the format -------------------------------------
+
+def test_byte_layout_follows_the_safetensors_spec(tmp_path):
+    big_endian = np.arange(6, dtype=">i4").reshape(2, 3)
+    fortran = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    strided = np.arange(10, dtype=np.uint16)[::3]
+    tensors = {"z.last": np.array(2.5, np.float16), "big": big_endian, "fortran": fortran,
+               "strided": strided, "empty": np.zeros((0,), np.float32), "flag": np.array([True, False])}
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(path, tensors, {"k": "v"})
+
+    blob = Path(path).read_bytes()
+    n, header, raw, data = read_raw(path)
+    assert (8 + n) % 8 == 0 and len(blob) == 8 + n + len(data)
+    stripped = raw.rstrip(b" ")  # the JSON object, then fewer than 8 spaces of padding
+    assert stripped.startswith(b"{") and stripped.endswith(b"}") and len(raw) - len(stripped) < 8
+    assert header.pop("__metadata__") == {"k": "v", "format": "gradbuilder-checkpoint/1",
+                                         "sha256": digest_of({**header, "__metadata__": {"k": "v", "format": "gradbuilder-checkpoint/1"}}, data)}
+    assert list(header) == list(tensors)  # stored in header order, contiguous
+    offset = 0
+    for name, array in tensors.items():
+        entry = header[name]
+        assert set(entry) == {"dtype", "shape", "data_offsets"}
+        begin, end = entry["data_offsets"]
+        assert begin == offset
+        want = np.ascontiguousarray(array, dtype=np.dtype(SPEC_DTYPES[entry["dtype"]]).newbyteorder("<"))
+        assert data[begin:end] == want.tobytes(order="C")
+        assert entry["shape"] == list(array.shape)
+        offset = end
+    assert offset == len(data)
+    begin = header["big"]["data_offsets"][0]  # a big-endian array is stored little-endian
+    assert header["big"]["dtype"] == "I32" and data[begin + 4:begin + 8] == (1).to_bytes(4, "little")
+    begin = header["fortran"]["data_offsets"][0]  # a Fortran-ordered array is stored in C order
+    assert data[begin + 8:begin + 16] == struct.pack("<d", 1.0)
+
+
+def test_readable_by_the_safetensors_library(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+
+    tensors = {code: sample(code, (3, 2), seed=i) for i, code in enumerate(SPEC_DTYPES)}
+    tensors["scalar"] = np.array(-4, np.int32)
+    tensors["empty"] = np.zeros((2, 0), np.float32)
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(path, tensors, {"model": "tiny"})
+
+    got = load_file(path)  # numpy has no bfloat16: compare that one through torch
+    for name, array in tensors.items():
+        if name != "BF16":
+            assert_same(got[name], array)
+    bf16 = load_torch(path)["BF16"]
+    assert str(bf16.dtype) == "torch.bfloat16"
+    assert bf16.view(dtype=__import__("torch").int16).numpy().tobytes() == tensors["BF16"].tobytes()
+    with safe_open(path, framework="numpy") as f:
+        assert f.metadata()["model"] == "tiny"
+        assert f.metadata()["format"] == "gradbuilder-checkpoint/1"
+
+
+def test_reads_a_file_written_by_the_safetensors_library(tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = {"b": np.arange(5, dtype=np.int16), "a": np.ones((2, 2), np.float64), "c": np.array(1, np.uint8)}
+    path = tmp_path / "lib.safetensors"
+    meta = {"format": "gradbuilder-checkpoint/1", "sha256": "0" * 64}
+    save_file(tensors, path, metadata=meta)
+    _, header, _, data = read_raw(path)  # the library's own tensor order: fill in the digest
+    save_file(tensors, path, metadata={**meta, "sha256": digest_of(header, data)})
+    got, _ = checkpoint.load(path)
+    assert set(got) == set(tensors)
+    for name, array in tensors.items():
+        assert_same(got[name], array)
+
+
+# --- atomic writes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("failing", ["replace", "fsync"])
+def test_failed_save_leaves_previous_file_and_no_temporary(tmp_path, monkeypatch, failing):
+    path = tmp_path / "c.safetensors"
+    small_checkpoint(path)
+    before = path.read_bytes()
+
+    monkeypatch.setattr(checkpoint.os, failing, raiser(OSError("disk on fire")))
+    with pytest.raises(CheckpointError, match="disk on fire") as info:
+        checkpoint.save(path, {"other": np.zeros(100, np.float32)})
+    assert str(path) in str(info.value)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["c.safetensors"]
+    assert path.read_bytes() == before
+
+
+def test_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint.os, "replace", raiser(OSError("no")))
+    with pytest.raises(CheckpointError):
+        checkpoint.save(tmp_path / "c", {"x": np.zeros(3)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupted_save_removes_temporary(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint.os, "fsync", raiser(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path / "c", {"x": np.zeros(3)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_into_missing_directory(tmp_path):
+    path = tmp_path / "nope" / "c.safetensors"
+    with pytest.raises(CheckpointError, match="nope"):
+        checkpoint.save(path, {"x": np.zeros(3)})
+
+
+def test_save_overwrites_an_existing_checkpoint(tmp_path):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    checkpoint.save(path, {"new": np.array([1.0])})
+    assert list(checkpoint.load(path)[0]) == ["new"]
+    assert os.listdir(tmp_path) == ["c"]
+
+
+# --- bad arguments --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tensors,metadata,match", [
+    ({1: np.zeros(2)}, None, "names"),
+    ({"__metadata__": np.zeros(2)}, None, "__metadata__"),
+    ({"w": [1.0, 2.0]}, None, "'w' must be a numpy array"),
+    ({"w": np.zeros(2, np.complex64)}, None, "'w' has dtype complex64"),
+    ({"w": np.array(["a"])}, None, "'w' has dtype"),
+    ({"w": np.zeros(2, object)}, None, "'w' has dtype object"),
+    ({"w": np.zeros(2, ml_dtypes.float8_e4m3fn)}, None, "'w' has dtype"),
+    ({"w": np.zeros(2)}, {"epoch": 3}, "str to str"),
+    ({"w": np.zeros(2)}, {3: "x"}, "str to str"),
+    ([np.zeros(2)], None, "dict"),
+])
+def test_bad_arguments_write_nothing(tmp_path, tensors, metadata, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        checkpoint.save(tmp_path / "c", tensors, metadata)
+    assert os.listdir(tmp_path) == []
+
+
+# --- damaged files ----------------------------------------------------------------------------
+
+def test_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "absent.safetensors"
+    with pytest.raises(CheckpointError, match="absent.safetensors"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("cut", ["0", "3", "8", "8+n//2", "8+n-1", "8+n", "8+n+5", "len-1"])
+def test_truncated_file(tmp_path, cut):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    blob = path.read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    keep = eval(cut, {"n": n, "len": len(blob)})
+    assert 0 <= keep < len(blob)
+    path.write_bytes(blob[:keep])
+    with pytest.raises(CheckpointError, match=DAMAGED):
+        checkpoint.load(path)
+
+
+def test_flipped_byte_in_data_is_a_digest_mismatch(tmp_path):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    blob = bytearray(path.read_bytes())
+    blob[-30] ^= 0x01
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=r"corrupt.*SHA-256"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("target,at", [
+    (b"{", 0),            # the JSON itself
+    (b'"dtype"', 3),      # an entry's key
+    (b"F32", 1),          # a dtype
+    (b"[3,4]", 3),        # a shape
+    (b"[0,48]", 4),       # data offsets
+    (b'"sha256":"', 3),   # the digest's key
+    (b"gradbuilder-checkpoint/1", 12),
+])
+@pytest.mark.parametrize("bit", [0x01, 0x20])
+def test_flipped_byte_in_header(tmp_path, target, at, bit):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    blob = bytearray(path.read_bytes())
+    at += blob.index(target)
+    blob[at] ^= bit
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=DAMAGED):
+        checkpoint.load(path)
+
+
+def test_flipped_digest_character(tmp_path):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    blob = bytearray(path.read_bytes())
+    at = blob.index(b'"sha256":"') + len(b'"sha256":"')
+    blob[at] = ord("0") if blob[at] != ord("0") else ord("1")
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=r"corrupt.*SHA-256"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("content", [
+    b"",
+    b"hello",
+    b"not a checkpoint at all, just some text that goes on for a while",
+    np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+    struct.pack("<Q", 2) + b"[]",
+    struct.pack("<Q", 4) + b"\xff\xfe{}",
+    struct.pack("<Q", 2) + b"{}",  # valid JSON, no metadata
+])
+def test_garbage_file(tmp_path, content):
+    path = tmp_path / "c"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=DAMAGED):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("n", [10**6, 2**63, 2**64 - 1])
+def test_header_length_beyond_file(tmp_path, n):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    blob = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", n) + blob[8:])
+    with pytest.raises(CheckpointError, match=r"truncated.*header length"):
+        checkpoint.load(path)
+
+
+def _edited(tmp_path, edit, data_edit=None):
+    """Write the small checkpoint, change its parsed header (and data), write it back with a
+    matching digest, and return the path."""
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    _, header, _, data = read_raw(path)
+    edit(header)
+    write_raw(path, header, data_edit(data) if data_edit else data)
+    return path
+
+
+def _set(name, key, value):
+    def edit(header):
+        header[name][key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,data_edit,match", [
+    # w: F32 [3,4] at [0,48]; b: I64 [3] at [48,72]; step: I64 [] at [72,80]
+    (_set("b", "data_offsets", [56, 80]), None, "not contiguous"),
+    (_set("b", "data_offsets", [40, 64]), None, "overlaps"),
+    (_set("step", "data_offsets", [80, 88]), None, "not contiguous"),
+    (None, lambda d: d[:-8], "describes 80 data bytes but the file holds 72"),
+    (lambda h: h.pop("step"), None, "longer than its header"),
+    (None, lambda d: d + b"\0" * 8, "longer than its header"),
+    (_set("w", "shape", [3, 5]), None, "needs 60 bytes"),
+    (_set("w", "shape", [3, -4]), None, "shape"),
+    (_set("w", "shape", "3x4"), None, "shape"),
+    (_set("w", "dtype", "F128"), None, "unknown dtype 'F128'"),
+    (_set("w", "data_offsets", [48, 0]), None, "data_offsets"),
+    (_set("w", "data_offsets", [0, 48, 96]), None, "data_offsets"),
+    (_set("w", "extra", 1), None, "entry of tensor 'w'"),
+    (lambda h: h.__setitem__("w", [1, 2]), None, "entry of tensor 'w'"),
+    (lambda h: h.pop("__metadata__"), None, "__metadata__"),
+    (lambda h: h["__metadata__"].pop("format"), None, "format"),
+    (lambda h: h["__metadata__"].__setitem__("format", "other/2"), None, "format"),
+    (lambda h: h["__metadata__"].__setitem__("epoch", 3), None, "strings"),
+])
+def test_inconsistent_header(tmp_path, edit, data_edit, match):
+    path = _edited(tmp_path, edit or (lambda h: None), data_edit)
+    with pytest.raises(CheckpointError, match=DAMAGED) as info:
+        checkpoint.load(path)
+    assert match in str(info.value)
+
+
+def test_duplicate_tensor_name(tmp_path):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    _, header, raw, data = read_raw(path)
+    entry = json.dumps(header["b"], separators=(",", ":"))
+    text = raw.decode().rstrip().replace('"b":' + entry, '"b":' + entry + ',"b":' + entry)
+    text += " " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data)
+    with pytest.raises(CheckpointError, match=r"corrupt.*twice"):
+        checkpoint.load(path)
+
+
+def test_missing_digest_is_refused(tmp_path):
+    path = tmp_path / "c"
+    small_checkpoint(path)
+    _, header, _, data = read_raw(path)
+    del header["__metadata__"]["sha256"]
+    write_raw(path, header, data, fix_sha=False)
+    with pytest.raises(CheckpointError, match=r"corrupt.*sha256"):
+        checkpoint.load(path)
+
+
+def test_changed_metadata_value_or_tensor_name_is_a_digest_mismatch(tmp_path):
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(path, {"weight": np.arange(4, dtype=np.float32)}, {"learning_rate": "0.001"})
+    blob = path.read_bytes()
+    for old, new in ((b'"0.001"', b'"0.009"'), (b'"weight"', b'"wfight"')):
+        path.write_bytes(blob.replace(old, new))  # still valid JSON, same length
+        with pytest.raises(CheckpointError, match="corrupt"):
+            checkpoint.load(path)
