@@ -188,7 +188,7 @@ class TrainingSession:
             return self._bind_and_run(graph, bound, outputs, run_options)
         except _OrtErrors.InvalidArgument as exc:
             raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
-        except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail) as exc:
+        except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError) as exc:
             if not self._fallback or self._device[0] == "cpu":
                 raise ProviderError(f"onnxruntime failed running the {kind} graph on {self._providers[0]}: "
                                     f"{exc}") from exc
@@ -221,7 +221,7 @@ class TrainingSession:
         missing = [n for n in expected if n not in feeds]
         if missing:
             raise InvalidArgumentError(f"input_feed: missing input(s) {missing}; the inputs are {expected}")
-        out = {}
+        out, sizes = {}, {}
         for name in expected:
             value, arg = feeds[name], graph.inputs[name]
             if isinstance(value, ort.OrtValue):
@@ -235,17 +235,30 @@ class TrainingSession:
             dims = arg.shape
             if len(shape) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(dims, shape)):
                 raise InvalidArgumentError(f"input '{name}': expected shape {dims}, got {list(shape)}")
+            for d, size in zip(dims, shape):
+                if isinstance(d, str):
+                    seen = sizes.setdefault(d, (size, name))
+                    if seen[0] != size:
+                        raise InvalidArgumentError(f"dimension '{d}' is {seen[0]} in input '{seen[1]}' but {size} in "
+                                                   f"input '{name}'; the inputs must agree on it")
             out[name] = self._ortvalue(value)
         return out
 
-    def _lr_feed(self, feeds: Mapping[str, object]) -> dict[str, object]:
-        """``feeds`` less the learning rate, which becomes the session's (onnxruntime-training's
-        loops feed it with every step under ``lr_params_feed_name``)."""
+    def _lr_feed(self, feeds: Mapping[str, object]) -> tuple[dict[str, object], float | None]:
+        """``feeds`` less the learning rate (onnxruntime-training's loops feed it with every
+        step under ``lr_params_feed_name``), and that rate, checked; None when not fed."""
         lr_name = self._builder.lr_name
-        if lr_name in feeds:
-            feeds = dict(feeds)
-            self.set_learning_rate(float(np.asarray(_numpy(feeds.pop(lr_name))).reshape(())))
-        return feeds
+        if not isinstance(feeds, Mapping) or lr_name not in feeds:
+            return feeds, None
+        feeds = dict(feeds)
+        value = np.asarray(_numpy(feeds.pop(lr_name)))
+        if value.size != 1 or value.dtype.kind not in "fiu":
+            raise InvalidArgumentError(f"'{lr_name}' (the learning rate) must be a number, got {value.dtype} "
+                                       f"{list(value.shape)}")
+        lr = float(value.reshape(()))
+        if not np.isfinite(lr) or lr < 0:
+            raise InvalidArgumentError(f"'{lr_name}' (the learning rate) must be finite and >= 0, got {lr}")
+        return feeds, lr
 
     # ------------------------------------------------------------------ one full step
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, object], run_options=None) -> list:
@@ -255,11 +268,14 @@ class TrainingSession:
 
     def run_with_ort_values(self, output_names, input_feed, run_options=None) -> list[ort.OrtValue]:
         """``run`` taking and returning OrtValues (numpy arrays are accepted as feeds too)."""
-        feeds = self._lr_feed(input_feed)
+        feeds, lr = self._lr_feed(input_feed)
         names = self._check_outputs(output_names)
-        state = {**self._state, self._builder.lr_name: self._lr_ortvalue()}
+        rate = self._lr_ortvalue() if lr is None or lr == self._lr else self._ortvalue(np.array(lr, np.float32))
+        state = {**self._state, self._builder.lr_name: rate}
         results = self._run("step", feeds, state, run_options=run_options)
         self._take_updates(results)
+        if lr is not None:
+            self.set_learning_rate(lr)
         return [results[n] for n in names]
 
     def _check_outputs(self, output_names) -> list[str]:
@@ -379,7 +395,7 @@ class TrainingSession:
         return list(self.weights) if trainable_only else list(self.weights) + self._frozen
 
     def _parameter_values(self, trainable_only: bool) -> dict[str, np.ndarray]:
-        values = {w: _numpy(self._state[w]) for w in self.weights}
+        values = {w: _array(self._state[w]) for w in self.weights}
         if not trainable_only:
             inits = {t.name: t for t in self._model.graph.initializer}
             values.update({n: numpy_helper.to_array(inits[n]) for n in self._frozen})
@@ -424,13 +440,13 @@ class TrainingSession:
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict:
         """{"full_precision": {weight: array}} (onnxruntime-training's layout). Without mixed
         precision there are no half-precision copies to include."""
-        return {"full_precision": {w: _numpy(self._state[w]) for w in self.weights}}
+        return {"full_precision": {w: _array(self._state[w]) for w in self.weights}}
 
     def get_optimizer_state(self) -> dict:
         """{weight: {state: array}, "shared_optimizer_state": {"Step": array}}."""
-        out = {w: {s: _numpy(self._state[f"{w}.{s}"]) for s in state_names(self._optimizer, self._options)}
+        out = {w: {s: _array(self._state[f"{w}.{s}"]) for s in state_names(self._optimizer, self._options)}
                for w in self.weights}
-        out["shared_optimizer_state"] = {"Step": _numpy(self._state["Step"])}
+        out["shared_optimizer_state"] = {"Step": _array(self._state["Step"])}
         return out
 
     def get_state(self) -> dict:
@@ -486,8 +502,8 @@ class TrainingSession:
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write weights, optimizer state, step, learning rate and scheduler state to ``path``
         (safetensors, written atomically; see ``gradbuilder.checkpoint``)."""
-        tensors = {n: _numpy(v) for n, v in self._state.items()}
-        tensors.update({f"{w}.grad": _numpy(v) for w, v in self._grads.items()})
+        tensors = {n: _array(v) for n, v in self._state.items()}
+        tensors.update({f"{w}.grad": _array(v) for w, v in self._grads.items()})
         metadata = {
             "model": self._fingerprint,
             "optimizer": json.dumps({"name": self._optimizer, "options": _jsonable(self._options)}),
@@ -661,6 +677,11 @@ def _default_session_options() -> ort.SessionOptions:
 
 def _numpy(value):
     return value.numpy() if isinstance(value, ort.OrtValue) else value
+
+
+def _array(value: ort.OrtValue) -> np.ndarray:
+    """A numpy copy of a state value: the caller keeps it valid after later steps replace it."""
+    return np.array(value.numpy(), copy=True)
 
 
 def _user_result(values: list):
