@@ -65,8 +65,8 @@ def _cmd_train(args) -> int:
         from .passes.loss import append_loss
 
         output = args.loss_output or model.graph.output[0].name
-        model = append_loss(model, args.loss, output, target_name=args.target, loss_name="loss")
-        loss_name = "loss"
+        loss_name = loss_name or "loss"
+        model = append_loss(model, args.loss, output, target_name=args.target, loss_name=loss_name)
     loss_name = loss_name or model.graph.output[0].name
     with np.load(args.data, allow_pickle=False) as npz:
         data = {k: npz[k] for k in npz.files}
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("train", help="train a model on arrays from an .npz file with onnxruntime")
     p.add_argument("model", help="path of the forward ONNX model")
     p.add_argument("--data", required=True, help=".npz file with one array per model input (same length on axis 0)")
-    p.add_argument("--loss-name", help="the model's loss output (default: its first output)")
+    p.add_argument("--loss-name", help="the model's loss output (default: its first output); with --loss, the name of the "
+                                         "appended one (default loss)")
     p.add_argument("--loss", help="append a loss instead: crossentropy, nll, mse, l1, bcewithlogits")
     p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
     p.add_argument("--target", default="target", help="with --loss: name of its target input (default target)")

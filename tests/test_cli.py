@@ -56,3 +56,52 @@ def test_demo_passes(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "gradcheck" in out and "all checks passed" in out
+
+
+def _demo_files(tmp_path):
+    from gradbuilder.demo import demo_batch, demo_model_bytes
+
+    model = tmp_path / "demo.onnx"
+    model.write_bytes(demo_model_bytes())
+    x, labels = demo_batch(512, seed=5)
+    data = tmp_path / "data.npz"
+    np.savez(data, x=x, labels=labels)
+    return model, data, x, labels
+
+
+def test_train_trains_saves_a_checkpoint_and_exports(tmp_path, capsys):
+    model, data, x, labels = _demo_files(tmp_path)
+    ckpt, out = tmp_path / "c.safetensors", tmp_path / "trained.onnx"
+    assert main(["train", str(model), "--data", str(data), "--lr", "0.01", "--steps", "120", "--batch-size", "32",
+                 "--scheduler", "cosine", "--warmup-steps", "10", "--checkpoint", str(ckpt), "-o", str(out),
+                 "--keep", "logits", "--accuracy", "logits:labels"]) == 0
+    text = capsys.readouterr().out
+    first, last = (float(v) for v in text.split("\nloss ")[1].split(" after")[0].split(" -> "))
+    assert last < 0.5 * first
+    assert ckpt.exists() and out.exists()
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x"]
+    acc = float(np.mean(np.argmax(sess.run(["logits"], {"x": x})[0], -1) == labels))
+    assert f"accuracy (logits vs labels): {acc:.1%}" in text and acc > 0.8
+
+    assert main(["train", str(model), "--data", str(data), "--steps", "5", "--batch-size", "32",
+                 "--resume", str(ckpt)]) == 0
+    assert f"resumed from {ckpt} at step 120" in capsys.readouterr().out
+
+
+def test_train_with_appended_loss_on_a_logits_model(tmp_path, capsys):
+    onnx.save(linear_model(), tmp_path / "m.onnx")  # x [batch, 1, 4] -> y [batch, 3, 4] -> loss
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 1, 4)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, target=rng.standard_normal((16, 3, 4)).astype(np.float32))
+    assert main(["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "mse",
+                 "--loss-output", "y", "--loss-name", "mse_loss", "--steps", "30", "--batch-size", "2", "--lr", "0.05"]) == 0
+    first, last = (float(v) for v in capsys.readouterr().out.split("\nloss ")[1].split(" after")[0].split(" -> "))
+    assert last < first
+
+
+def test_train_reports_data_without_the_model_inputs(tmp_path, capsys):
+    model, _, x, _ = _demo_files(tmp_path)
+    np.savez(tmp_path / "bad.npz", x=x)
+    assert main(["train", str(model), "--data", str(tmp_path / "bad.npz"), "--steps", "2"]) == 2
+    assert "labels" in capsys.readouterr().err
