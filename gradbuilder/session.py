@@ -120,6 +120,7 @@ class TrainingSession:
         state.update({w: numpy_helper.to_array(inits[w]) for w in self.weights})
         self._state = {name: self._ortvalue(value) for name, value in state.items()}
         self._fingerprint = _fingerprint(self.weights, state, self._optimizer)
+        _weights_as_inputs(self._model, self.weights)  # their values live in the state only
 
     # ------------------------------------------------------------------ graphs and values
     def _output_names(self) -> list[str]:
@@ -128,8 +129,8 @@ class TrainingSession:
         return names if loss in names else [loss] + names
 
     def _user_inputs(self) -> list[str]:
-        inits = {t.name for t in self._model.graph.initializer}
-        return [i.name for i in self._model.graph.input if i.name not in inits]
+        fed = {t.name for t in self._model.graph.initializer} | set(self.weights)
+        return [i.name for i in self._model.graph.input if i.name not in fed]
 
     def _graph(self, kind: str) -> _Graph:
         if kind not in self._graphs:
@@ -147,23 +148,15 @@ class TrainingSession:
             proto = _Gradients(self._model, self.weights, self._output_names(), self.loss_name,
                                accumulate=kind == "accumulate").build().model_proto
         elif kind == "optimizer":
-            inits = {t.name: t for t in self._model.graph.initializer}
-            shapes = {w: np.zeros(tuple(inits[w].dims), onnx.helper.tensor_dtype_to_np_dtype(inits[w].data_type))
+            shapes = {w: np.zeros(self._state[w].shape(), _NP_OF_ORT[self._state[w].data_type()])
                       for w in self.weights}
             max_norm = self._builder.max_grad_norm
             proto = optimizer_only_model(shapes, self._optimizer, self._options, max_norm)
         elif kind == "eval":
-            proto = onnx.ModelProto()
-            proto.CopyFrom(self._model)
-            have = {i.name for i in proto.graph.input}
-            for t in proto.graph.initializer:
-                if t.name in self.weights and t.name not in have:
-                    proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            proto = self._model
         else:
             raise AssertionError(kind)
-        keep = [t for t in proto.graph.initializer if t.name not in self.weights]
-        del proto.graph.initializer[:]
-        proto.graph.initializer.extend(keep)
+        _weights_as_inputs(proto, self.weights)
         return proto.SerializeToString()
 
     def _ortvalue(self, value) -> ort.OrtValue:
@@ -207,7 +200,12 @@ class TrainingSession:
         for name in names:
             binding.bind_output(name, kind, index)
         graph.session.run_with_iobinding(binding, run_options)
-        return dict(zip(names, binding.get_outputs()))
+        results = dict(zip(names, binding.get_outputs()))
+        # The binding would keep this step's inputs (the previous state) alive for as long
+        # as any output is held: release them, so only the current state stays in memory.
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        return results
 
     def _check_feeds(self, graph: _Graph, feeds: Mapping[str, object], state) -> dict[str, ort.OrtValue]:
         """The user's feeds as OrtValues, after checking names, dtypes and static dims against
@@ -433,8 +431,13 @@ class TrainingSession:
         """Write the forward model with the trained weights, keeping ``graph_output_names``."""
         from .artifacts import export_model_for_inferencing
 
-        return export_model_for_inferencing(self._model, inference_model_uri, graph_output_names,
-                                            weights=self._parameter_values(True))
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self._model)
+        keep = [i for i in proto.graph.input if i.name not in self.weights]
+        del proto.graph.input[:]
+        proto.graph.input.extend(keep)
+        proto.graph.initializer.extend(numpy_helper.from_array(v, w) for w, v in self._parameter_values(True).items())
+        return export_model_for_inferencing(proto, inference_model_uri, graph_output_names)
 
     # ------------------------------------------------------------------ state
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict:
@@ -667,6 +670,21 @@ _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorPro
 _ORT_OF_NP = {np.float32: "float", np.float64: "double", np.float16: "float16", np.int64: "int64",
               np.int32: "int32", np.int16: "int16", np.int8: "int8", np.uint8: "uint8", np.uint16: "uint16",
               np.uint32: "uint32", np.uint64: "uint64", np.bool_: "bool"}
+
+
+def _weights_as_inputs(proto: onnx.ModelProto, weights: Sequence[str]) -> None:
+    """Make every weight of ``proto`` (in place) a graph input without an initializer: the
+    session feeds them, and neither the model nor onnxruntime keeps a copy."""
+    names = set(weights)
+    have = {i.name for i in proto.graph.input}
+    kept = []
+    for t in proto.graph.initializer:
+        if t.name not in names:
+            kept.append(t)
+        elif t.name not in have:
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
 
 
 def _default_session_options() -> ort.SessionOptions:

@@ -108,9 +108,10 @@ def gelu(n, dys, needs, e):
 
 @register("Relu")
 def relu(n, dys, needs, e):
-    """dx = dy where x > 0, else 0"""
+    """dx = dy * (x > 0)   (a multiply by the 0/1 mask runs faster than a Where; it differs
+    only where dy is already inf or nan)"""
     (x,) = n.inputs
-    return (_keep(e, e.Greater(x, _c(e, 0.0, x)), dys[0]),)
+    return (e.Mul(dys[0], e.CastLike(e.Greater(x, _c(e, 0.0, x)), dys[0])),)
 
 
 @register("LeakyRelu")

@@ -542,3 +542,31 @@ def test_export_model_for_inferencing_matches_eval_step(tmp_path):
         np.testing.assert_allclose(got, s.eval_step(x, y), rtol=1e-6)
         with torch.no_grad():
             np.testing.assert_allclose(got, torch_loss(module, x, y).item(), rtol=1e-5)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_held_outputs_do_not_keep_earlier_states_alive():
+    """A loop that keeps every returned loss must not keep every step's weights and moments:
+    with a 4 MiB weight, 40 held steps would otherwise hold ~480 MiB (3 copies per step)."""
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(1024, 1024)
+
+        def forward(self, x):
+            return (self.fc(x) ** 2).mean()
+
+    x = torch.randn(4, 1024)
+    f = io.BytesIO()
+    torch.onnx.export(Wide(), (x,), f, input_names=["x"], output_names=["loss"], dynamo=False)
+    p = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", enable_grad_norm_clip=False)
+    sess = TrainingSession(f.getvalue(), p, providers=CPU)
+    kept = [sess.run_with_ort_values(["loss"], {"x": x.numpy()})[0] for _ in range(5)]
+    before = _rss_mib()
+    kept += [sess.run_with_ort_values(["loss"], {"x": x.numpy()})[0] for _ in range(40)]
+    assert _rss_mib() - before < 100
+    assert np.isfinite(kept[0].numpy()) and kept[-1].numpy() < kept[0].numpy()
