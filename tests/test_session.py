@@ -76,6 +76,12 @@ def params(optimizer: str = "adamw", **options) -> TrainingParameters:
     return TrainingParameters(loss_output_name="loss", training_optimizer_name=optimizer, **options)
 
 
+def session_and_torch():
+    """A fresh AdamW session and the same module with torch.optim.AdamW, from the same weights."""
+    module = new_module()
+    return session(), module, torch.optim.AdamW(module.parameters(), lr=LR)
+
+
 def session(optimizer: str = "adamw", *, hidden: int = 8, with_logits: bool = False, dynamic_batch: bool = False,
             lr: float = LR, sess_options=None, **options) -> TrainingSession:
     s = TrainingSession(model_bytes(hidden, with_logits, dynamic_batch), params(optimizer, **options),
@@ -149,9 +155,7 @@ def feeds(x, y) -> dict:
 
 
 def test_run_ten_steps_matches_torch_adamw():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     for k, (x, y) in enumerate(batches(10, seed=1)):
         out = s.run(["loss"], feeds(x, y))
         assert isinstance(out, list) and len(out) == 1
@@ -190,9 +194,7 @@ def test_run_none_returns_every_output_in_model_order():
 
 
 def test_learning_rate_fed_under_lr_params_feed_name_sets_it():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     data = batches(5, seed=3)
     fed = [0.05, np.float32(0.002), np.array(0.03, np.float32), None, ort.OrtValue.ortvalue_from_numpy(
         np.array(0.2, np.float32))]
@@ -212,9 +214,7 @@ def test_learning_rate_fed_under_lr_params_feed_name_sets_it():
 
 
 def test_run_with_ort_values_and_io_binding_match_torch():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     data = batches(4, seed=4)
     for k, (x, y) in enumerate(data):
         ref = torch_step(module, opt, x, y)
@@ -302,9 +302,7 @@ def test_train_step_accumulates_then_optimizer_step_matches_torch(max_norm):
 def test_lazy_reset_grad_replaces_gradients_otherwise_they_add_up():
     """As onnxruntime-training's Module: gradients add up across train_steps (and across
     optimizer_steps) until lazy_reset_grad; torch's .grad without and with zero_grad."""
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     (x0, y0), (x1, y1), (x2, y2) = batches(3, seed=7)
     s.train_step(x0, y0)
     s.optimizer_step()
@@ -325,9 +323,7 @@ def test_lazy_reset_grad_replaces_gradients_otherwise_they_add_up():
 
 
 def test_eval_step_uses_current_weights_and_changes_nothing():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     (x0, y0), (x1, y1) = batches(2, seed=8)
     s.train_step(x0, y0)
     torch_loss(module, x0, y0).backward()  # gradients pending on both sides
@@ -346,9 +342,7 @@ def test_eval_step_uses_current_weights_and_changes_nothing():
 
 
 def test_train_eval_modes_and_call():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     (x0, y0), (x1, y1) = batches(2, seed=9)
     assert s.training
     assert s.eval() is s and not s.training
@@ -479,9 +473,7 @@ def _set_torch_weights(module, s, flat):
 
 
 def test_copy_parameters_to_buffer_and_back_numpy_and_ortvalue():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     data = batches(3, seed=15)
     torch_step(module, opt, *data[0])
     s.run(["loss"], feeds(*data[0]))
@@ -524,9 +516,7 @@ def test_copy_parameters_to_buffer_and_back_numpy_and_ortvalue():
 
 
 def test_export_model_for_inferencing_matches_eval_step(tmp_path):
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     for x, y in batches(3, seed=16):
         s.run(["loss"], feeds(x, y))
         torch_step(module, opt, x, y)

@@ -22,7 +22,7 @@ from gradbuilder.session import TrainingSession
 
 from .test_session import (
     CPU, LR, WEIGHTS, assert_close_state, assert_same_state, assert_weights_match, batches, feeds, model_bytes,
-    new_module, params, session, state_arrays, torch_loss, torch_step, weights_of,
+    new_module, params, session, session_and_torch, state_arrays, torch_loss, torch_step, weights_of,
 )
 
 
@@ -54,9 +54,7 @@ def set_torch_from_session(module, opt, s):
 
 
 def test_get_state_layout_matches_torch_adamw_state():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     for x, y in batches(3, seed=20):
         s.run(["loss"], feeds(x, y))
         torch_step(module, opt, x, y)
@@ -115,9 +113,7 @@ def test_load_state_nested_and_flat_into_a_fresh_session_continue_identically():
 
 
 def test_load_state_partial_strict_and_all_or_nothing():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     before = state_arrays(s)
     new_bias = np.linspace(-1, 1, 8).astype(np.float32)
     with pytest.raises(InvalidArgumentError, match=r"strict=True.*missing.*fc1\.weight"):
@@ -596,9 +592,7 @@ def test_bad_training_parameters_are_refused():
 
 
 def test_optimizer_step_before_any_train_step_is_refused():
-    s = session()
-    module = new_module()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    s, module, opt = session_and_torch()
     before = state_arrays(s)
     with pytest.raises(InvalidArgumentError, match="optimizer_step before any train_step"):
         s.optimizer_step()
