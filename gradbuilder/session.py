@@ -106,7 +106,8 @@ class TrainingSession:
         self._providers, self._provider_options = _providers.resolve_providers(providers, provider_options)
         self._device = _providers.device_of(self._providers, self._provider_options)
         self._fallback = True
-        self._graphs: dict[str, _Graph] = {}
+        self._built: dict[str, bytes] = {}  # kind -> serialized graph (independent of providers)
+        self._graphs: dict[str, _Graph] = {}  # kind -> its loaded session
         self._training = True
         self._lr = 1e-3
         self._lr_value = None
@@ -134,8 +135,10 @@ class TrainingSession:
 
     def _graph(self, kind: str) -> _Graph:
         if kind not in self._graphs:
-            model = self._build(kind)
-            session = _providers.cached_session(model, self._sess_options, self._providers, self._provider_options)
+            if kind not in self._built:
+                self._built[kind] = self._build(kind)
+            session = _providers.cached_session(self._built[kind], self._sess_options, self._providers,
+                                                self._provider_options)
             self._graphs[kind] = _Graph(session)
         return self._graphs[kind]
 
@@ -148,8 +151,8 @@ class TrainingSession:
             proto = _Gradients(self._model, self.weights, self._output_names(), self.loss_name,
                                accumulate=kind == "accumulate").build().model_proto
         elif kind == "optimizer":
-            shapes = {w: np.zeros(self._state[w].shape(), _NP_OF_ORT[self._state[w].data_type()])
-                      for w in self.weights}
+            shapes = {w: np.broadcast_to(np.zeros((), _NP_OF_ORT[self._state[w].data_type()]), self._state[w].shape())
+                      for w in self.weights}  # dtype and shape only: no memory
             max_norm = self._builder.max_grad_norm
             proto = optimizer_only_model(shapes, self._optimizer, self._options, max_norm)
         elif kind == "eval":
@@ -389,9 +392,6 @@ class TrainingSession:
         self.set_learning_rate(self._scheduler.step())
         return self._lr
 
-    def _parameter_names(self, trainable_only: bool) -> list[str]:
-        return list(self.weights) if trainable_only else list(self.weights) + self._frozen
-
     def _parameter_values(self, trainable_only: bool) -> dict[str, np.ndarray]:
         values = {w: _array(self._state[w]) for w in self.weights}
         if not trainable_only:
@@ -400,7 +400,10 @@ class TrainingSession:
         return values
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
-        return int(sum(np.prod(v.shape, dtype=np.int64) for v in self._parameter_values(trainable_only).values()))
+        shapes = [self._state[w].shape() for w in self.weights]
+        if not trainable_only:
+            shapes += [t.dims for t in self._model.graph.initializer if t.name in self._frozen]
+        return int(sum(np.prod(shape, dtype=np.int64) for shape in shapes))
 
     def get_contiguous_parameters(self, trainable_only: bool = True) -> ort.OrtValue:
         """Every parameter flattened into one float32 OrtValue, in ``get_state`` order."""
@@ -497,6 +500,7 @@ class TrainingSession:
         for name, value in checked.items():
             if name in frozen_inits:
                 frozen_inits[name].CopyFrom(numpy_helper.from_array(value, name))
+                self._built.clear()  # the graphs hold the frozen values
                 self._graphs.clear()
             else:
                 self._state[name] = self._ortvalue(value.copy())

@@ -292,12 +292,21 @@ def test_truncated_file(tmp_path, cut):
         checkpoint.load(path)
 
 
-def test_flipped_byte_in_data_is_a_digest_mismatch(tmp_path):
-    path = tmp_path / "c"
+def damaged_checkpoint(path, change):
+    """A small checkpoint at ``path`` whose bytes ``change(bytearray)`` then alters in place."""
     small_checkpoint(path)
     blob = bytearray(path.read_bytes())
-    blob[-30] ^= 0x01
+    change(blob)
     path.write_bytes(bytes(blob))
+
+
+def test_flipped_byte_in_data_is_a_digest_mismatch(tmp_path):
+    path = tmp_path / "c"
+
+    def flip(blob):
+        blob[-30] ^= 0x01
+
+    damaged_checkpoint(path, flip)
     with pytest.raises(CheckpointError, match=r"corrupt.*SHA-256"):
         checkpoint.load(path)
 
@@ -314,22 +323,23 @@ def test_flipped_byte_in_data_is_a_digest_mismatch(tmp_path):
 @pytest.mark.parametrize("bit", [0x01, 0x20])
 def test_flipped_byte_in_header(tmp_path, target, at, bit):
     path = tmp_path / "c"
-    small_checkpoint(path)
-    blob = bytearray(path.read_bytes())
-    at += blob.index(target)
-    blob[at] ^= bit
-    path.write_bytes(bytes(blob))
+
+    def flip(blob):
+        blob[at + blob.index(target)] ^= bit
+
+    damaged_checkpoint(path, flip)
     with pytest.raises(CheckpointError, match=DAMAGED):
         checkpoint.load(path)
 
 
 def test_flipped_digest_character(tmp_path):
     path = tmp_path / "c"
-    small_checkpoint(path)
-    blob = bytearray(path.read_bytes())
-    at = blob.index(b'"sha256":"') + len(b'"sha256":"')
-    blob[at] = ord("0") if blob[at] != ord("0") else ord("1")
-    path.write_bytes(bytes(blob))
+
+    def change_digit(blob):
+        at = blob.index(b'"sha256":"') + len(b'"sha256":"')
+        blob[at] = ord("0") if blob[at] != ord("0") else ord("1")
+
+    damaged_checkpoint(path, change_digit)
     with pytest.raises(CheckpointError, match=r"corrupt.*SHA-256"):
         checkpoint.load(path)
 
