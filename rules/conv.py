@@ -327,8 +327,9 @@ def conv(n, dys, needs, e):
     """y[n, m, o] = sum_{c in group(m), k} x[n, c, o*s + k*d - b] * w[m, c, k] + B[m]
 
     dx = ConvTranspose(dy, w) (same strides, dilations, group), cut to x's extent;
-    dw[m, c, k] = sum_{n, o} dy[n, m, o] * x[n, c, k*d + o*s - b]: a Conv of x (batch and
-    channel axes swapped) with dy as the kernel, stride d and dilation s;
+    dw[m, c, k] = sum_{n, o} dy[n, m, o] * x[n, c, k*d + o*s - b]: one matrix product over
+    x's im2col columns when they are static and small (see _conv_dw_im2col), else a Conv of x
+    (batch and channel axes swapped) with dy as the kernel, stride d and dilation s;
     dB = sum of dy over all axes but 1."""
     x, w = n.inputs[0], n.inputs[1]
     (dy,) = dys
@@ -347,7 +348,9 @@ def conv(n, dys, needs, e):
                                        [a.size for a in axes], strides, dilations, group)
         else:
             dx = _conv_dx_grouped(e, dy, w, axes, group, r)
-    if needs[1]:
+    if needs[1] and group == 1 and _im2col_fits(x, w, axes):
+        dw = _conv_dw_im2col(e, x, dy, axes, r)
+    elif needs[1]:
         xt = channels_to_batch(e, x, group, r + 2)
         g = conv_fitted(e, xt, swap01(e, dy, r + 2), [sub(e, 0, a.begin) for a in axes],
                         [a.frame for a in axes], dilations, strides, group)
@@ -355,6 +358,41 @@ def conv(n, dys, needs, e):
     if len(n.inputs) > 2 and n.inputs[2] is not None and needs[2]:
         db = bias_grad(e, dy, r + 2)
     return [dx, dw, db][: len(n.inputs)]
+
+
+IM2COL_GROWTH = 9  # the im2col weight gradient may hold at most this many copies of x
+
+
+def _im2col_fits(x, w, axes) -> bool:
+    """True when the column matrix of x is static and at most IM2COL_GROWTH times x's size:
+    kernel volume / (product of strides) <= IM2COL_GROWTH."""
+    xd, wd = dims_of(x), dims_of(w)
+    if xd is None or wd is None or not is_static(*xd[1:], *wd):
+        return False
+    if not all(is_static(a.size, a.out, a.kernel, a.frame, a.begin) for a in axes):
+        return False
+    return np.prod([a.kernel for a in axes]) <= IM2COL_GROWTH * np.prod([a.stride for a in axes])
+
+
+def _conv_dw_im2col(e, x, dy, axes, r):
+    """dw of a Conv with one group as one matrix product (faster than a Conv with the batch as
+    channels): with x channels-last and cut to the frame, the columns
+    cols[(n, o), (k, c)] = x[n, o*s + k*d - b, c] are one strided Slice per kernel tap k,
+    concatenated; dw[m, (k, c)] = sum_{(n, o)} dy[n, m, o] * cols[(n, o), (k, c)]."""
+    c, m = dims_of(x)[1], dims_of(dy)[1]
+    kernel = [a.kernel for a in axes]
+    spatial = list(range(1, r + 1))
+    framed = fit(e, x, [-a.begin for a in axes], [a.frame for a in axes])
+    framed = e.Transpose(framed, perm=[0] + list(range(2, r + 2)) + [1])  # (N, *frame, C)
+    cols = [e.Slice(framed, e.ints([k * a.dilation for k, a in zip(tap, axes)]),
+                    e.ints([k * a.dilation + (a.out - 1) * a.stride + 1 for k, a in zip(tap, axes)]),
+                    e.ints(spatial), e.ints([a.stride for a in axes]))
+            for tap in np.ndindex(*kernel)]
+    col = e.Concat(*cols, axis=r + 1) if len(cols) > 1 else cols[0]  # (N, *O, K*C)
+    flat = e.Reshape(col, e.ints([-1, len(cols) * c]))
+    dyt = e.Reshape(swap01(e, dy, r + 2), e.ints([m, -1]))  # (M, N*O)
+    g = e.Reshape(e.MatMul(dyt, flat), e.ints([m] + kernel + [c]))
+    return e.Transpose(g, perm=[0, r + 1] + spatial)
 
 
 def _conv_dx_grouped(e, dy, w, axes, group, r):

@@ -64,6 +64,11 @@ MAXPOOL = [
     ("valid", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "VALID"}),
     ("1d", (2, 4, 7), {"kernel_shape": [3], "strides": [2], "pads": [1, 1], "ceil_mode": 1}),
     ("3d", (1, 2, 4, 5, 3), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 1], "pads": [0, 1, 0, 0, 0, 1]}),
+    # windows that do not overlap and cover x (opset 16+: MaxUnpool instead of a scatter-add)
+    ("k2s2-tiles", (2, 3, 6, 4), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("k2s2-tiles-pads", (2, 3, 6, 4), {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("k2s3-gaps", (2, 3, 8, 5), {"kernel_shape": [2, 2], "strides": [3, 3]}),
+    ("1d-tiles", (2, 4, 6), {"kernel_shape": [3], "strides": [3]}),
 ]
 
 
@@ -116,12 +121,14 @@ def test_max_pool_dynamic_same(opset, rng):
 
 
 @pytest.mark.parametrize("opset", [13, 18])
-def test_max_pool_ties_go_to_the_first_maximum(opset):
+@pytest.mark.parametrize("attrs", [{"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+                                   {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 0, 0, 0]}],
+                         ids=["overlapping", "tiles"])
+def test_max_pool_ties_go_to_the_first_maximum(attrs, opset):
     # After a Relu most windows are all zeros: each window's dy goes to its first maximum
     # (row-major), the element its Indices output names, and overlapping windows add up.
     x = np.maximum(np.random.default_rng(3).standard_normal((1, 2, 5, 6)), 0).astype(f32)
     x[0, 0, 1:3, 1:3] = 1.5
-    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
     indices = ort_run(single_node("MaxPool", x, attrs, 18, ("y", "i")), {})["i"]
 
     model, weights, _ = make_op_model("MaxPool", [("x", x)], attrs, opset=opset)
@@ -176,6 +183,11 @@ AVGPOOL = [
     ("valid", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "VALID"}),
     ("1d", (2, 4, 7), {"kernel_shape": [3], "strides": [2], "pads": [1, 1], "ceil_mode": 1}),
     ("3d", (1, 2, 4, 5, 3), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 1], "pads": [0, 1, 0, 0, 0, 1]}),
+    # windows that do not overlap and cover x (opset 16+: MaxUnpool instead of a scatter-add)
+    ("k2s2-tiles", (2, 3, 6, 4), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("k2s2-tiles-pads", (2, 3, 6, 4), {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("k2s3-gaps", (2, 3, 8, 5), {"kernel_shape": [2, 2], "strides": [3, 3]}),
+    ("1d-tiles", (2, 4, 6), {"kernel_shape": [3], "strides": [3]}),
 ]
 
 
