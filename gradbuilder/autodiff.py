@@ -34,14 +34,21 @@ def _grad_name(value: ir.Value) -> str:
 
 
 class _Accumulator:
-    """Collects gradient contributions per value and sums them on first read."""
+    """Collects gradient contributions per value and sums them on first read. With
+    ``eager`` (memory-efficient gradients) each contribution is added to the running sum as
+    it arrives, so that it can be freed before the others are computed."""
 
-    def __init__(self, e: Emitter):
+    def __init__(self, e: Emitter, eager: bool = False):
         self.e = e
+        self.eager = eager
         self.parts: dict[ir.Value, list[ir.Value]] = {}
 
     def add(self, value: ir.Value, grad: ir.Value) -> None:
-        self.parts.setdefault(value, []).append(grad)
+        parts = self.parts.setdefault(value, [])
+        if self.eager and parts:
+            grad = self.e.Add(parts.pop(), grad)
+            self.e._set(grad, value.dtype, registry.dims_of(value))
+        parts.append(grad)
 
     def take(self, value: ir.Value) -> ir.Value | None:
         parts = self.parts.get(value)
@@ -97,9 +104,12 @@ def differentiate(
     opset: int,
     e: Emitter,
     stop_gradients: frozenset[ir.Value] = frozenset(),
+    eager_sums: bool = False,
 ) -> GradientResult:
-    """Append to ``graph`` the nodes computing d(loss)/d(weight) for every weight."""
-    grads = walk(graph, weights, {loss: None}, opset, e, stop_gradients)
+    """Append to ``graph`` the nodes computing d(loss)/d(weight) for every weight.
+    ``eager_sums``: add each gradient contribution to its value's running sum at once
+    (``use_memory_efficient_gradient``) instead of one Sum when the total is first read."""
+    grads = walk(graph, weights, {loss: None}, opset, e, stop_gradients, eager_sums)
     result: dict[str, ir.Value] = {}
     unreached: list[str] = []
     for w in weights:
@@ -118,6 +128,7 @@ def walk(
     opset: int,
     e: Emitter,
     stop_gradients: frozenset[ir.Value] = frozenset(),
+    eager_sums: bool = False,
 ) -> dict[ir.Value, ir.Value]:
     """Gradients of sum(seed_v * v) over ``seeds`` w.r.t. ``wrt``, emitted through ``e``.
 
@@ -153,7 +164,7 @@ def walk(
         needed.update(ins)
 
     # 3. Seed and walk.
-    acc = _Accumulator(e)
+    acc = _Accumulator(e, eager_sums)
     for value, seed in seeds.items():
         if value in reached:
             acc.add(value, seed if seed is not None else e.ones_like(value))

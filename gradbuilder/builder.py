@@ -46,6 +46,10 @@ class GradientGraphBuilder:
         *,
         stop_gradients: Iterable[str] = (),
         gradient_suffix: str = "_grad",
+        mixed_precision: str | None = None,
+        cast_propagation: tuple[int, Iterable[str]] = (1, ()),
+        recompute=None,
+        memory_efficient_gradient: bool = False,
     ):
         if weights is None or loss is None:
             raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
@@ -61,6 +65,13 @@ class GradientGraphBuilder:
         self.loss = loss
         self.stop_gradients = list(stop_gradients)
         self.gradient_suffix = gradient_suffix
+        if mixed_precision not in (None, "float16", "bfloat16"):
+            raise InvalidArgumentError(f"mixed_precision is None, 'float16' or 'bfloat16', got {mixed_precision!r}")
+        self.mixed_precision = mixed_precision
+        self.cast_propagation = (int(cast_propagation[0]), list(cast_propagation[1]))
+        self.recompute = recompute  # a passes.recompute.RecomputeOptions, or None
+        self.recompute_report = None
+        self.memory_efficient_gradient = bool(memory_efficient_gradient)
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
         self._result: modelio.DetachedModel | None = None
@@ -111,7 +122,14 @@ class GradientGraphBuilder:
         sequence_appends_as_scan_outputs(graph, e.unique)
         expose_dropout_masks(graph, e.unique)
         store_loop_trips(graph, weights, e.unique)
-        result = differentiate(graph, weights, loss, opset, e, stop_gradients=stops)
+        if self.mixed_precision is not None:
+            from .passes.mixed_precision import autocast
+
+            level, allow = self.cast_propagation
+            autocast(graph, self.mixed_precision, e.unique, level=level, allow=allow)
+        forward = list(graph)
+        result = differentiate(graph, weights, self._loss_to_differentiate(e, loss), opset, e, stop_gradients=stops,
+                               eager_sums=self.memory_efficient_gradient)
         if result.unreached:
             self.unreached_weights = result.unreached
             warnings.warn(
@@ -127,6 +145,10 @@ class GradientGraphBuilder:
         graph.inputs.extend(new_inputs)
         graph.outputs.clear()
         graph.outputs.extend(outputs + (grad_outputs if self._gradients_as_outputs() else []) + new_outputs)
+        if self.recompute is not None:
+            from .passes.recompute import apply_recompute
+
+            self.recompute_report = apply_recompute(graph, forward, self.recompute, e.unique)
         remove_unused_nodes(model)
 
     # Hooks for graphs built on the gradients (the training graph): extra graph inputs and
@@ -136,6 +158,10 @@ class GradientGraphBuilder:
 
     def _gradients_as_outputs(self) -> bool:
         return True
+
+    def _loss_to_differentiate(self, e: Emitter, loss: ir.Value) -> ir.Value:
+        """The value whose gradient seeds the backward (the training graph scales the loss)."""
+        return loss
 
     def _names_exist(self, names, values, what):
         for n in names:

@@ -11,6 +11,11 @@ type is not trained) and ``set_optimizer_initial_state`` (read back as
 and value rather than by name, its overlap with ``weights_to_train`` can only be found against a
 model and is not checked here.
 
+Three options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
+the default, or "bfloat16") picks the half type of ``use_mixed_precision``; ``memory_budget_mb``
+and ``memory_budget_fraction`` (of the activations the backward would hold) ask the recompute
+planner to fit the activations in a budget (0: none).
+
 Unlike ORT, every assignment is checked: types (a bool is not an int and an int is not a bool),
 ranges, contradictions, and options whose pass gradbuilder does not have yet (see
 ``NOT_SUPPORTED_YET``). Failures raise :class:`InvalidArgumentError` naming the option. As in
@@ -47,8 +52,6 @@ import numpy as np
 from .errors import InvalidArgumentError
 
 _DISTRIBUTED = "distributed and parallel training arrive with the distributed pass"
-_MIXED = "mixed precision arrives with the mixed-precision pass"
-_RECOMPUTE = "recomputation arrives with the recompute pass"
 
 # Options gradbuilder has no pass for yet: any value but the default is refused with this reason.
 # Enabling a pass = deleting its lines here.
@@ -65,19 +68,13 @@ NOT_SUPPORTED_YET = {
     "sliced_axes": _DISTRIBUTED,
     "sliced_schema": _DISTRIBUTED,
     "sliced_tensor_names": _DISTRIBUTED,
-    "use_mixed_precision": _MIXED,
-    "loss_scale": _MIXED,
-    "use_fp16_moments": _MIXED,
-    "propagate_cast_ops_level": _MIXED,
-    "propagate_cast_ops_allow": _MIXED,
-    "attn_dropout_recompute": _RECOMPUTE,
-    "gelu_recompute": _RECOMPUTE,
-    "transformer_layer_recompute": _RECOMPUTE,
-    "number_recompute_layers": _RECOMPUTE,
-    "use_memory_efficient_gradient": _RECOMPUTE,
 }
-# Values that leave a not-yet-supported pass off besides its default (-1 disables cast propagation).
-_ALSO_OFF = {"propagate_cast_ops_level": (-1,)}
+# Values that leave a not-yet-supported pass off besides its default.
+_ALSO_OFF: dict[str, tuple] = {}
+
+# gradbuilder's own options beyond onnxruntime-training's: the half-precision type of mixed
+# precision, and the activation-memory budget of the recompute planner (0: no budget).
+EXTENSIONS = ("mixed_precision_dtype", "memory_budget_mb", "memory_budget_fraction")
 
 # option -> (kind, ORT 1.19 default). Kinds are checked by _check below.
 OPTIONS = {
@@ -93,6 +90,9 @@ OPTIONS = {
     "immutable_weights": ("immutable", {}),
     "loss_output_name": ("str", ""),
     "loss_scale": ("float", 0.0),
+    "memory_budget_fraction": ("float", 0.0),
+    "memory_budget_mb": ("float", 0.0),
+    "mixed_precision_dtype": ("str", "float16"),
     "lr_params_feed_name": ("str", "Learning_Rate"),
     "model_after_graph_transforms_path": ("str", ""),
     "model_with_gradient_graph_path": ("str", ""),
@@ -291,6 +291,12 @@ class TrainingParameters:
             raise _fail(name, f"must be >= 0, got {v}")
         if name == "loss_scale" and not (math.isfinite(v) and v >= 0):
             raise _fail(name, f"must be a finite number >= 0 (0 means dynamic loss scaling), got {v}")
+        if name == "mixed_precision_dtype" and v not in ("float16", "bfloat16"):
+            raise _fail(name, f"must be 'float16' or 'bfloat16', got {v!r}")
+        if name == "memory_budget_mb" and not (math.isfinite(v) and v >= 0):
+            raise _fail(name, f"must be a finite number of MiB >= 0 (0: no budget), got {v}")
+        if name == "memory_budget_fraction" and not 0 <= v < 1:
+            raise _fail(name, f"must be in [0, 1): the share of the activation memory to keep (0: no budget), got {v}")
         if name == "world_rank" and not 0 <= v < self._values["world_size"]:
             raise _fail(name, f"must be in [0, world_size={self._values['world_size']}), got {v}; "
                               "set world_size first")

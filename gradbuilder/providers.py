@@ -411,11 +411,31 @@ def _options_fingerprint(sess_options) -> tuple:
     return tuple(items)
 
 
-def cached_session(model_bytes: bytes, sess_options, providers, provider_options) -> ort.InferenceSession:
+def options_with(sess_options, **settings) -> ort.SessionOptions:
+    """A new ``SessionOptions`` with the readable settings of ``sess_options`` (attributes and
+    the configuration keys of ``_CONFIG_KEYS``) and then ``settings``; ``sess_options`` is
+    left as it was."""
+    out = ort.SessionOptions()
+    if sess_options is not None:
+        for attr in _OPTION_ATTRIBUTES:
+            setattr(out, attr, getattr(sess_options, attr))
+        for key in _CONFIG_KEYS:
+            try:
+                out.add_session_config_entry(key, sess_options.get_session_config_entry(key))
+            except Exception:  # not set
+                pass
+    for attr, value in settings.items():
+        setattr(out, attr, value)
+    return out
+
+
+def cached_session(model_bytes: bytes, sess_options, providers, provider_options,
+                   disabled_optimizers: Sequence[str] = ()) -> ort.InferenceSession:
     """One ``InferenceSession`` per model and configuration, reused across calls.
 
-    The key is the sha256 of ``model_bytes``, the providers, their options and the
-    SessionOptions settings that can be read back (see ``_options_fingerprint``). Pass
+    The key is the sha256 of ``model_bytes``, the providers, their options, the
+    SessionOptions settings that can be read back (see ``_options_fingerprint``) and the
+    onnxruntime graph optimizers to leave out (``disabled_optimizers``). Pass
     providers already resolved by :func:`resolve_providers`. Sessions with profiling
     enabled are created fresh every time and never cached, so each run has its own
     profile. Thread-safe.
@@ -436,6 +456,8 @@ def cached_session(model_bytes: bytes, sess_options, providers, provider_options
 
     def create():
         kwargs = {} if sess_options is None else {"sess_options": sess_options}
+        if disabled_optimizers:
+            kwargs["disabled_optimizers"] = list(disabled_optimizers)
         return ort.InferenceSession(
             bytes(model_bytes), providers=providers, provider_options=provider_options, **kwargs
         )
@@ -447,6 +469,7 @@ def cached_session(model_bytes: bytes, sess_options, providers, provider_options
         tuple(providers),
         tuple(tuple(sorted((str(k), str(v)) for k, v in o.items())) for o in provider_options),
         _options_fingerprint(sess_options),
+        tuple(sorted(disabled_optimizers)),
     )
     with _lock:
         session = _sessions.get(key)

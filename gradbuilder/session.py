@@ -30,6 +30,7 @@ import os
 import warnings
 from typing import Iterable, Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -40,6 +41,7 @@ from .builder import GradientGraphBuilder
 from .errors import CheckpointError, InvalidArgumentError, ProviderError
 from .passes import named_output, new_input
 from .passes.accumulate import COUNTER
+from .passes.loss_scale import GOOD_STEPS, SCALE
 from .passes.optimizer import state_names
 from .training import from_parameters, optimizer_only_model
 
@@ -51,12 +53,15 @@ _NP_OF_ORT = {
 }
 
 
+_SHARED = ("Step", SCALE, GOOD_STEPS)  # state shared by every weight
+
+
 class _Gradients(GradientGraphBuilder):
     """Forward + backward; gradient of ``W`` as output ``W.grad_accum.updated``: the gradient
     itself, or with ``accumulate`` the input buffer ``W.grad_accum`` plus the gradient."""
 
-    def __init__(self, model, weights, outputs, loss, accumulate: bool):
-        super().__init__(model, weights, outputs, loss)
+    def __init__(self, model, weights, outputs, loss, accumulate: bool, **options):
+        super().__init__(model, weights, outputs, loss, **options)
         self.accumulate = accumulate
 
     def _after_gradients(self, e, weights, grads):
@@ -137,8 +142,14 @@ class TrainingSession:
         if kind not in self._graphs:
             if kind not in self._built:
                 self._built[kind] = self._build(kind)
-            session = _providers.cached_session(self._built[kind], self._sess_options, self._providers,
-                                                self._provider_options)
+            options, disabled = self._sess_options, ()
+            if self._builder.recompute is not None and kind in ("step", "gradients", "accumulate"):
+                from .passes.recompute import session_settings
+
+                settings, disabled = session_settings()  # so that onnxruntime keeps the recompute
+                options = _providers.options_with(options, **settings)
+            session = _providers.cached_session(self._built[kind], options, self._providers,
+                                                self._provider_options, disabled)
             self._graphs[kind] = _Graph(session)
         return self._graphs[kind]
 
@@ -148,8 +159,11 @@ class TrainingSession:
         if kind == "step":
             proto = self._builder.build().model_proto
         elif kind in ("gradients", "accumulate"):
+            b = self._builder  # the same forward transforms as the full step; no loss scaling
             proto = _Gradients(self._model, self.weights, self._output_names(), self.loss_name,
-                               accumulate=kind == "accumulate").build().model_proto
+                               accumulate=kind == "accumulate", mixed_precision=b.mixed_precision,
+                               cast_propagation=b.cast_propagation, recompute=b.recompute,
+                               memory_efficient_gradient=b.memory_efficient_gradient).build().model_proto
         elif kind == "optimizer":
             shapes = {w: np.broadcast_to(np.zeros((), _NP_OF_ORT[self._state[w].data_type()]), self._state[w].shape())
                       for w in self.weights}  # dtype and shape only: no memory
@@ -444,16 +458,43 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ state
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict:
-        """{"full_precision": {weight: array}} (onnxruntime-training's layout). Without mixed
-        precision there are no half-precision copies to include."""
-        return {"full_precision": {w: _array(self._state[w]) for w in self.weights}}
+        """{"full_precision": {weight: array}} (onnxruntime-training's layout); with mixed
+        precision and ``include_mixed_precision_weights`` also {"mixed_precision": {weight:
+        array}}: the float16 / bfloat16 copies the graph computes with (the float32 master
+        weights cast, as the graph casts them)."""
+        out = {"full_precision": {w: _array(self._state[w]) for w in self.weights}}
+        low = self._builder.mixed_precision
+        if include_mixed_precision_weights and low is not None:
+            dtype = np.float16 if low == "float16" else ml_dtypes.bfloat16
+            out["mixed_precision"] = {w: v.astype(dtype) for w, v in out["full_precision"].items()}
+        return out
 
     def get_optimizer_state(self) -> dict:
-        """{weight: {state: array}, "shared_optimizer_state": {"Step": array}}."""
+        """{weight: {state: array}, "shared_optimizer_state": {"Step": array}} (plus the
+        dynamic loss scale and its counter, ``Loss_Scale`` and ``Loss_Scale_Good_Steps``)."""
         out = {w: {s: _array(self._state[f"{w}.{s}"]) for s in state_names(self._optimizer, self._options)}
                for w in self.weights}
-        out["shared_optimizer_state"] = {"Step": _array(self._state["Step"])}
+        out["shared_optimizer_state"] = {n: _array(self._state[n]) for n in _SHARED if n in self._state}
         return out
+
+    @property
+    def recompute_report(self):
+        """The recompute pass's report on the step graph (``passes.recompute.RecomputeReport``:
+        what is recomputed, the activation-memory estimate before and after), or None."""
+        return self._builder.recompute_report
+
+    @property
+    def loss_scale_input_name(self) -> str:
+        """The graph input holding the dynamic loss scale ("" without dynamic loss scaling)."""
+        return SCALE if SCALE in self._state else ""
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale: the dynamic one, the static ``loss_scale``, or None."""
+        if SCALE in self._state:
+            return float(_numpy(self._state[SCALE]))
+        scaling = self._builder.loss_scaling
+        return None if scaling is None else scaling.scale
 
     def get_state(self) -> dict:
         return {"model": self.get_model_state(), "optimizer": self.get_optimizer_state(), "partition_info": {}}
@@ -472,7 +513,7 @@ class TrainingSession:
         self._assign(flat)
 
     def _state_names(self) -> list[str]:
-        names = list(self.weights) + ["Step"]
+        names = list(self.weights) + [n for n in _SHARED if n in self._state]
         names += [f"{w}.{s}" for w in self.weights for s in state_names(self._optimizer, self._options)]
         return names
 

@@ -34,6 +34,7 @@ from .builder import GradientGraphBuilder
 from .errors import InvalidArgumentError
 from .passes.accumulate import COUNTER, accumulate
 from .passes.clip import clip_by_global_norm
+from .passes.loss_scale import LossScaling, all_finite, next_scale, scale_loss, unscale
 from .passes.optimizer import add_optimizer, initial_state, resolve
 
 
@@ -53,8 +54,16 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
         stop_gradients: Iterable[str] = (),
+        mixed_precision: str | None = None,
+        cast_propagation: tuple[int, Iterable[str]] = (1, ()),
+        loss_scaling: LossScaling | None = None,
+        fp16_moments: bool = False,
+        recompute=None,
+        memory_efficient_gradient: bool = False,
     ):
-        super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients)
+        super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients, mixed_precision=mixed_precision,
+                         cast_propagation=cast_propagation, recompute=recompute,
+                         memory_efficient_gradient=memory_efficient_gradient)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InvalidArgumentError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -65,6 +74,9 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         self.gradients_as_outputs = gradients_as_outputs
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
+        self.loss_scaling = loss_scaling
+        self.state_dtype = ir.DataType.FLOAT16 if fp16_moments else None
+        self._scaled = None
         self.dump_paths: dict[str, str] = {}  # "gradient" / "training" / "transformed" -> path
         self.seed_state: dict[str, dict[str, np.ndarray]] = {}  # weight -> state -> initial value
 
@@ -78,17 +90,31 @@ class TrainingGraphBuilder(GradientGraphBuilder):
                 self.save(self.dump_paths[key])
         return self
 
+    def _loss_to_differentiate(self, e, loss):
+        if self.loss_scaling is None:
+            return loss
+        self._scaled = scale_loss(e, loss, self.loss_scaling)
+        return self._scaled.loss
+
     def _after_gradients(self, e, weights, grads):
-        """accumulation -> clipping -> optimizer, each a pass of its own."""
+        """unscaling -> accumulation -> overflow check -> clipping -> optimizer, each a pass
+        of its own."""
         inputs, outputs, apply = [], [], None
+        if self._scaled is not None:
+            grads = unscale(e, grads, self._scaled)
+            inputs = list(self._scaled.inputs)
         if self.accumulation_steps > 1:
             acc = accumulate(e, weights, grads, self.accumulation_steps)
             grads, apply = acc.grads, acc.last
-            inputs, outputs = acc.inputs, acc.outputs
+            inputs, outputs = inputs + acc.inputs, acc.outputs
+        if self._scaled is not None:
+            finite = all_finite(e, grads)
+            outputs = outputs + next_scale(e, self._scaled, self.loss_scaling, finite, apply)
+            apply = finite if apply is None else e.And(apply, finite)
         if self.max_grad_norm is not None:
             grads = clip_by_global_norm(e, weights, grads, self.max_grad_norm)
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
-                               self.lr_name, self.step_name, apply)
+                               self.lr_name, self.step_name, apply, self.state_dtype)
         return update.inputs + inputs, update.outputs + outputs
 
     def _gradients_as_outputs(self) -> bool:
@@ -105,12 +131,15 @@ class TrainingGraphBuilder(GradientGraphBuilder):
             raise InvalidArgumentError(f"initial_state needs the weights as initializers; {missing} are not")
         for w in self.weights:
             seeded = self.seed_state.get(w, {})
-            for state, value in initial_state(self.optimizer, self.optimizer_options, values[w]).items():
+            dtype = np.float16 if self.state_dtype == ir.DataType.FLOAT16 else None
+            for state, value in initial_state(self.optimizer, self.optimizer_options, values[w], dtype).items():
                 feeds[f"{w}.{state}"] = np.asarray(seeded.get(state, value), dtype=value.dtype)
             if self.accumulation_steps > 1:
                 feeds[f"{w}.grad_accum"] = np.zeros_like(values[w])
         if self.accumulation_steps > 1:
             feeds[COUNTER] = np.array(0, np.int64)
+        if self.loss_scaling is not None:
+            feeds.update(self.loss_scaling.initial_state())
         return feeds
 
 
@@ -146,12 +175,43 @@ def from_parameters(model, params, outputs: Iterable[str] | None = None) -> Trai
         model, weights, params.loss_output_name, outputs=outputs, optimizer=name, optimizer_options=options,
         lr_name=params.lr_params_feed_name, gradients_as_outputs=params.set_gradients_as_graph_outputs,
         max_grad_norm=max_norm if params.enable_grad_norm_clip else None,
-        accumulation_steps=params.gradient_accumulation_steps)
+        accumulation_steps=params.gradient_accumulation_steps, **graph_options(params))
     builder.dump_paths = {"gradient": params.model_with_gradient_graph_path,
                           "training": params.model_with_training_graph_path,
                           "transformed": params.model_after_graph_transforms_path}
     builder.seed_state = params.optimizer_initial_state
     return builder
+
+
+def graph_options(params) -> dict:
+    """The mixed-precision and memory options of ``params`` as builder keywords:
+    use_mixed_precision (mixed_precision_dtype, propagate_cast_ops_level/_allow), loss_scale
+    (float16: 0 = dynamic, as onnxruntime-training; bfloat16 has float32's range and is scaled
+    only when loss_scale > 0), use_fp16_moments, the recompute options and memory budget,
+    use_memory_efficient_gradient."""
+    mixed = params.mixed_precision_dtype if params.use_mixed_precision else None
+    scaling = None
+    if mixed == "float16" or (mixed and params.loss_scale > 0):
+        scaling = LossScaling(scale=params.loss_scale)
+    return dict(mixed_precision=mixed,
+                cast_propagation=(params.propagate_cast_ops_level, params.propagate_cast_ops_allow),
+                loss_scaling=scaling, fp16_moments=params.use_fp16_moments, recompute=recompute_options(params),
+                memory_efficient_gradient=params.use_memory_efficient_gradient)
+
+
+def recompute_options(params):
+    """A ``passes.recompute.RecomputeOptions`` from ``params``, or None when nothing is recomputed."""
+    wanted = (params.gelu_recompute or params.attn_dropout_recompute or params.transformer_layer_recompute
+              or params.memory_budget_mb > 0 or params.memory_budget_fraction > 0)
+    if not wanted:
+        return None
+    from .passes.recompute import RecomputeOptions
+
+    return RecomputeOptions(gelu=params.gelu_recompute, attention_dropout=params.attn_dropout_recompute,
+                            transformer_layers=params.transformer_layer_recompute,
+                            layers=params.number_recompute_layers,
+                            budget_bytes=int(params.memory_budget_mb * 2 ** 20) or None,
+                            budget_fraction=params.memory_budget_fraction or None)
 
 
 def _immutable(model, spec: dict) -> set[str]:

@@ -236,3 +236,28 @@ def test_no_warning_for_reached_weights():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GradientGraphBuilder(linear_model(), ["W", "B"], ["loss"], "loss").build()
+
+
+def fan_out_model():
+    """h = x W used by three branches (Tanh, Sigmoid, Relu) whose sum is reduced to the loss:
+    h's gradient has three contributions."""
+    w = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["a"]),
+             helper.make_node("Sigmoid", ["h"], ["b"]), helper.make_node("Relu", ["h"], ["c"]),
+             helper.make_node("Sum", ["a", "b", "c"], ["s"]), helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "fan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(w, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_memory_efficient_gradient_adds_contributions_as_they_arrive():
+    model = fan_out_model()
+    x = np.random.default_rng(3).standard_normal((5, 4)).astype(np.float32)
+    plain = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().model_proto
+    eager = GradientGraphBuilder(model, ["W"], ["loss"], "loss", memory_efficient_gradient=True).build().model_proto
+    assert "Sum" in [n.op_type for n in plain.graph.node[6:]]  # one Sum of the three contributions
+    assert "Sum" not in [n.op_type for n in eager.graph.node[6:]]  # running Adds instead
+    np.testing.assert_allclose(run_ort(eager, {"x": x})["W_grad"], run_ort(plain, {"x": x})["W_grad"], rtol=1e-6)
+    report = gradcheck(model, ["W"], "loss", {"x": x})
+    assert report.passed, str(report)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradbuilder.errors import InvalidArgumentError
-from gradbuilder.params import NOT_SUPPORTED_YET, OPTIONS, TrainingParameters
+from gradbuilder.params import EXTENSIONS, NOT_SUPPORTED_YET, OPTIONS, TrainingParameters
 
 # Read from onnxruntime.capi._pybind_state.TrainingParameters() of the onnxruntime-training
 # 1.19.2 wheel (sets shown as sorted lists). That binding has no immutable_weights.
@@ -34,11 +34,15 @@ def bad(match, **options):
 
 # --- defaults ---------------------------------------------------------------------------------
 
+OUR_DEFAULTS = {"immutable_weights": {}, "mixed_precision_dtype": "float16", "memory_budget_mb": 0.0,
+                "memory_budget_fraction": 0.0}
+
+
 def test_defaults_equal_ort_1_19():
     d = TrainingParameters().to_dict()
-    assert d == {**ORT_1_19_DEFAULTS, "immutable_weights": {}}
+    assert d == {**ORT_1_19_DEFAULTS, **OUR_DEFAULTS}
     for name, value in d.items():
-        assert type(value) is type(ORT_1_19_DEFAULTS.get(name, {})), name
+        assert type(value) is type({**ORT_1_19_DEFAULTS, **OUR_DEFAULTS}[name]), name
 
 
 def test_default_attributes_have_ort_types():
@@ -50,7 +54,7 @@ def test_default_attributes_have_ort_types():
 
 
 def test_every_option_is_in_ort_or_documented():
-    assert set(OPTIONS) == set(ORT_1_19_DEFAULTS) | {"immutable_weights"}
+    assert set(OPTIONS) == set(ORT_1_19_DEFAULTS) | {"immutable_weights"} | set(EXTENSIONS)
     assert set(NOT_SUPPORTED_YET) <= set(OPTIONS)
 
 
@@ -197,10 +201,6 @@ NON_DEFAULT = {
     "num_pipeline_micro_batches": 4, "pipeline_cut_info_string": "a-b", "world_size": 2,
     "deepspeed_zero_stage": 1, "enable_adasum": True, "allreduce_post_accumulation": True,
     "sliced_axes": {"W": 0}, "sliced_schema": {"W": [2, 1]}, "sliced_tensor_names": ["W"],
-    "use_mixed_precision": True, "loss_scale": 128.0, "use_fp16_moments": True,
-    "propagate_cast_ops_level": 2, "propagate_cast_ops_allow": ["Gelu"],
-    "attn_dropout_recompute": True, "gelu_recompute": True, "transformer_layer_recompute": True,
-    "number_recompute_layers": 2, "use_memory_efficient_gradient": True,
 }
 
 
@@ -218,14 +218,37 @@ def test_not_supported_yet(name):
 
 
 def test_not_supported_reasons_name_the_pass():
-    assert NOT_SUPPORTED_YET["use_mixed_precision"] == "mixed precision arrives with the mixed-precision pass"
-    assert "recompute pass" in NOT_SUPPORTED_YET["gelu_recompute"]
     assert "distributed pass" in NOT_SUPPORTED_YET["world_size"]
 
 
-def test_cast_propagation_off_is_accepted():
-    assert TrainingParameters(propagate_cast_ops_level=-1).propagate_cast_ops_level == -1
-    bad(r"propagate_cast_ops_level: 0 is not supported yet", propagate_cast_ops_level=0)
+MIXED_AND_RECOMPUTE = {
+    "use_mixed_precision": True, "loss_scale": 128.0, "use_fp16_moments": True, "propagate_cast_ops_level": 2,
+    "propagate_cast_ops_allow": ["Gelu"], "attn_dropout_recompute": True, "gelu_recompute": True,
+    "transformer_layer_recompute": True, "number_recompute_layers": 2, "use_memory_efficient_gradient": True,
+    "mixed_precision_dtype": "bfloat16", "memory_budget_mb": 512.0, "memory_budget_fraction": 0.5,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_AND_RECOMPUTE))
+def test_mixed_precision_and_recompute_options_are_accepted(name):
+    p = TrainingParameters(**{name: MIXED_AND_RECOMPUTE[name]})
+    assert getattr(p, name) == MIXED_AND_RECOMPUTE[name]
+    assert TrainingParameters.from_dict(p.to_dict()).to_dict() == p.to_dict()
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("mixed_precision_dtype", "float8", r"mixed_precision_dtype: must be 'float16' or 'bfloat16'"),
+    ("memory_budget_mb", -1.0, r"memory_budget_mb: must be a finite number of MiB >= 0"),
+    ("memory_budget_fraction", 1.0, r"memory_budget_fraction: must be in \[0, 1\)"),
+    ("memory_budget_fraction", "half", r"memory_budget_fraction: expected a number"),
+])
+def test_mixed_precision_and_budget_ranges(name, value, match):
+    bad(match, **{name: value})
+
+
+def test_cast_propagation_levels_are_accepted():
+    for level in (-1, 0, 1, 2):
+        assert TrainingParameters(propagate_cast_ops_level=level).propagate_cast_ops_level == level
 
 
 def test_loss_scale_zero_as_int_is_the_default():

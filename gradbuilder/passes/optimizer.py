@@ -44,9 +44,23 @@ def state_names(name: str, options: dict) -> list[str]:
     return ["sum"]
 
 
-def initial_state(name: str, options: dict, weight: np.ndarray) -> dict[str, np.ndarray]:
+# States that may be stored in half precision (``use_fp16_moments``): the first moments. The
+# second moments (exp_avg_sq, max_exp_avg_sq, Adagrad's sum) hold squared gradients, which
+# float16 flushes to zero below 6e-8 (|g| < 2.4e-4): the update m / (sqrt(v) + eps) then blows
+# up, so they stay in the weight's type.
+HALF_STATES = frozenset({"exp_avg", "momentum_buffer"})
+
+
+def state_dtype_of(state: str, weight_dtype, half):
+    """The stored type of ``state``: ``half`` (when given) for HALF_STATES, else the weight's."""
+    return half if half is not None and state in HALF_STATES else weight_dtype
+
+
+def initial_state(name: str, options: dict, weight: np.ndarray, half=None) -> dict[str, np.ndarray]:
+    """Each state's first value, in its stored type (see HALF_STATES; ``half`` a numpy dtype)."""
     fill = options.get("initial_accumulator_value", 0.0) if name == "adagrad" else 0.0
-    return {s: np.full(weight.shape, fill, dtype=weight.dtype) for s in state_names(name, options)}
+    return {s: np.full(weight.shape, fill, dtype=state_dtype_of(s, weight.dtype, half))
+            for s in state_names(name, options)}
 
 
 def resolve(name: str, options: dict | None) -> dict:
@@ -69,23 +83,27 @@ class Update:
 
 
 def add_optimizer(e, weights: list[ir.Value], grads: dict[str, ir.Value], name: str, options: dict,
-                  lr_name: str, step_name: str, apply: ir.Value | None = None) -> Update:
+                  lr_name: str, step_name: str, apply: ir.Value | None = None,
+                  state_dtype: ir.DataType | None = None) -> Update:
     """Append the update of every weight (``grads`` maps weight name -> gradient value).
     With ``apply`` (a bool scalar) the update takes effect only where it is true: otherwise
-    weights, states and the step count come out unchanged (gradient accumulation)."""
+    weights, states and the step count come out unchanged (gradient accumulation, skipped
+    steps on overflow). With ``state_dtype`` the first moments (HALF_STATES) are stored in
+    that type (float16 moments) and computed in the weight's."""
     options = resolve(name, options)
     lr = new_input(e, lr_name, ir.DataType.FLOAT, [])
     step = new_input(e, step_name, ir.DataType.INT64, [])
     t = e.Add(step, e.const(np.array(1, np.int64)))  # torch's step count after this update
     inputs, new_weights, new_states = [lr, step], [], []
     for w in weights:
-        states = {s: new_input(e, f"{w.name}.{s}", w.dtype, w.shape) for s in state_names(name, options)}
+        states = {s: new_input(e, f"{w.name}.{s}", state_dtype_of(s, w.dtype, state_dtype), w.shape)
+                  for s in state_names(name, options)}
         inputs.extend(states.values())
         updated, updated_states = STEPS[name](e, w, grads[w.name], e.CastLike(lr, w), e.CastLike(t, w),
-                                              states, options)
+                                              {s: e.CastLike(v, w) for s, v in states.items()}, options)
         new_weights.append(named_output(e, _applied(e, apply, updated, w), f"{w.name}.updated", w))
-        new_states += [named_output(e, _applied(e, apply, updated_states[s], states[s]), f"{states[s].name}.updated", w)
-                       for s in states]
+        new_states += [named_output(e, _applied(e, apply, e.CastLike(updated_states[s], states[s]), states[s]),
+                                    f"{states[s].name}.updated", states[s]) for s in states]
     step_out = named_output(e, _applied(e, apply, t, step), f"{step_name}.updated", step)
     return Update(inputs, new_weights + new_states + [step_out])
 

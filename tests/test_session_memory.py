@@ -1,0 +1,111 @@
+"""TrainingSession with mixed precision, recompute and memory-efficient gradients, driven by
+TrainingParameters: a small torch transformer encoder classifier trained with and without each
+option from the same weights on the same batches."""
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from gradbuilder import TrainingParameters, TrainingSession
+from gradbuilder.passes.loss_scale import SCALE
+
+STEPS = 6
+CPU = ["CPUExecutionProvider"]
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.enc(self.emb(x)).mean(1)), y)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 50, (4, 12)).astype(np.int64), rng.integers(0, 5, (4,)).astype(np.int64))
+               for _ in range(STEPS)]
+    x, y = batches[0]
+    f = io.BytesIO()
+    with warnings.catch_warnings():  # keep_initializers_as_inputs: no merging of the equal fresh layers
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Encoder().eval(), (torch.from_numpy(x), torch.from_numpy(y)), f, input_names=["x", "y"],
+                          output_names=["loss"], dynamo=False, opset_version=17, keep_initializers_as_inputs=True)
+    model = onnx.load_from_string(f.getvalue())
+    inits = {t.name for t in model.graph.initializer}
+    kept = [i for i in model.graph.input if i.name not in inits]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    return model.SerializeToString(), batches
+
+
+def train(model, batches, sess_options=None, **options):
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
+                                enable_grad_norm_clip=False, **options)
+    sess = TrainingSession(model, params, sess_options=sess_options, providers=CPU)
+    sess.set_learning_rate(1e-2)
+    losses = [float(sess.run(["loss"], {"x": x, "y": y})[0]) for x, y in batches]
+    return sess, np.array(losses)
+
+
+@pytest.mark.parametrize("options", [
+    {"transformer_layer_recompute": True},
+    {"transformer_layer_recompute": True, "number_recompute_layers": 1},
+    {"memory_budget_fraction": 0.4},
+    {"use_memory_efficient_gradient": True},
+], ids=["layers", "first-layer", "budget", "efficient-gradient"])
+def test_recompute_trains_exactly_like_without(encoder, options):
+    model, batches = encoder
+    user_options = ort.SessionOptions()
+    before = (user_options.execution_order, user_options.graph_optimization_level)
+    base, expected = train(model, batches)
+    sess, got = train(model, batches, sess_options=user_options, **options)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    got_w, expected_w = sess.get_model_state()["full_precision"], base.get_model_state()["full_precision"]
+    for w in sess.weights:
+        a, b = got_w[w], expected_w[w]
+        if w.endswith("in_proj_bias"):  # the key bias's true gradient is 0: Adam amplifies round-off
+            a, b = np.delete(a, slice(16, 32)), np.delete(b, slice(16, 32))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=w)
+    assert (user_options.execution_order, user_options.graph_optimization_level) == before  # not modified
+    if "use_memory_efficient_gradient" in options:
+        assert sess.recompute_report is None
+        return
+    report = sess.recompute_report
+    assert report.recomputed and report.bytes_after < report.bytes_before, str(report)
+    step = sess._graphs["step"].session.get_session_options()
+    assert step.execution_order == ort.ExecutionOrder.PRIORITY_BASED  # what keeps the recompute late
+
+
+def test_mixed_precision_float16_follows_float32(encoder, tmp_path):
+    """float16 MatMuls/Gemms with dynamic loss scaling and float16 first moments: the losses
+    follow float32 training (relative 2e-2: float16 keeps 11 significant bits)."""
+    model, batches = encoder
+    _, expected = train(model, batches)
+    sess, got = train(model, batches, use_mixed_precision=True, use_fp16_moments=True)
+    np.testing.assert_allclose(got, expected, rtol=2e-2)
+    assert sess.loss_scale_input_name == SCALE and sess.loss_scale == 2.0 ** 16  # no overflow: not grown yet
+    state = sess.get_model_state(include_mixed_precision_weights=True)
+    for w, full in state["full_precision"].items():
+        assert full.dtype == np.float32
+        np.testing.assert_array_equal(state["mixed_precision"][w], full.astype(np.float16))
+    assert "mixed_precision" not in sess.get_model_state()
+    assert sess.get_optimizer_state()["shared_optimizer_state"][SCALE] == np.float32(2.0 ** 16)
+    assert sess.is_output_fp32_node("loss")
+    path = tmp_path / "mixed.ckpt"
+    sess.save_checkpoint(path)
+    resumed, _ = train(model, [], use_mixed_precision=True, use_fp16_moments=True)
+    resumed.load_checkpoint(path)
+    x, y = batches[0]
+    np.testing.assert_allclose(resumed.run(["loss"], {"x": x, "y": y}), sess.run(["loss"], {"x": x, "y": y}))
