@@ -402,13 +402,18 @@ def _options_fingerprint(sess_options) -> tuple:
     if sess_options is None:
         sess_options = ort.SessionOptions()
     items = [(attr, str(getattr(sess_options, attr))) for attr in _OPTION_ATTRIBUTES]
-    for key in _CONFIG_KEYS:
-        try:
-            items.append((key, sess_options.get_session_config_entry(key)))
-        except Exception:  # not set
-            pass
+    items.extend(_config_entries(sess_options))
     items.append(("has_providers", str(sess_options.has_providers())))
     return tuple(items)
+
+
+def _config_entries(sess_options):
+    """(key, value) of the configuration keys of ``_CONFIG_KEYS`` set on ``sess_options``."""
+    for key in _CONFIG_KEYS:
+        try:
+            yield key, sess_options.get_session_config_entry(key)
+        except Exception:  # not set
+            pass
 
 
 def options_with(sess_options, **settings) -> ort.SessionOptions:
@@ -419,11 +424,8 @@ def options_with(sess_options, **settings) -> ort.SessionOptions:
     if sess_options is not None:
         for attr in _OPTION_ATTRIBUTES:
             setattr(out, attr, getattr(sess_options, attr))
-        for key in _CONFIG_KEYS:
-            try:
-                out.add_session_config_entry(key, sess_options.get_session_config_entry(key))
-            except Exception:  # not set
-                pass
+        for key, value in _config_entries(sess_options):
+            out.add_session_config_entry(key, value)
     for attr, value in settings.items():
         setattr(out, attr, value)
     return out

@@ -102,13 +102,13 @@ def session_settings():
 
 def make_session(model, providers=("CPUExecutionProvider",), session_options=None):
     """An ``onnxruntime.InferenceSession`` for a recompute graph (bytes, path or ModelProto)
-    with :func:`session_settings` applied to ``session_options`` (a fresh one when None)."""
+    with :func:`session_settings` applied to a copy of ``session_options`` (defaults when None)."""
     import onnxruntime as ort
 
-    so = session_options if session_options is not None else ort.SessionOptions()
+    from ..providers import options_with
+
     options, disabled = session_settings()
-    for key, value in options.items():
-        setattr(so, key, value)
+    so = options_with(session_options, **options)  # the caller's options stay as they were
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
     model = model if isinstance(model, bytes) else str(model)
@@ -255,6 +255,24 @@ def plan(fw: ForwardInfo, keep: set[ir.Value]):
     return need, kept
 
 
+def _in_recompute_order(fw: ForwardInfo, need: set[ir.Value], value: ir.Value, done):
+    """The values of ``need`` to recompute so that ``value`` exists, each after the ``need``
+    inputs it is recomputed from (an iterative post-order), skipping those in ``done``. The
+    caller makes each value and adds it to ``done`` before asking for the next."""
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if v in done:
+            stack.pop()
+            continue
+        missing = [u for u in fw.recompute_inputs(v) if u in need and u not in done]
+        if missing:
+            stack.extend(missing)
+            continue
+        stack.pop()
+        yield v
+
+
 def held_bytes(fw: ForwardInfo, need: set[ir.Value], kept: set[ir.Value]) -> int:
     """Estimated peak bytes of forward activations held for the backward under a plan: the
     kept values until their last backward read, plus the copies from when they are made
@@ -266,17 +284,7 @@ def held_bytes(fw: ForwardInfo, need: set[ir.Value], kept: set[ir.Value]) -> int
     made: set[ir.Value] = set()
 
     def make(value):
-        stack = [value]
-        while stack:
-            v = stack[-1]
-            if v in made:
-                stack.pop()
-                continue
-            missing = [u for u in fw.recompute_inputs(v) if u in need and u not in made]
-            if missing:
-                stack.extend(missing)
-                continue
-            stack.pop()
+        for v in _in_recompute_order(fw, need, value, made):
             new = [o for o in fw.produced[v].outputs if o in need] or [v]
             made.update(new)
             steps.append((new, [u for u in fw.recompute_inputs(v) if u in need or u in kept]))
@@ -315,18 +323,8 @@ def rematerialize(graph: ir.Graph, fw: ForwardInfo, keep: set[ir.Value], unique)
     added: list[ir.Node] = []
 
     def materialize(value: ir.Value, anchor: ir.Node) -> ir.Value:
-        # iterative post-order: the inputs' copies are inserted before their reader's
-        stack = [value]
-        while stack:
-            v = stack[-1]
-            if v in copies:
-                stack.pop()
-                continue
-            missing = [u for u in fw.recompute_inputs(v) if u in need and u not in copies]
-            if missing:
-                stack.extend(missing)
-                continue
-            stack.pop()
+        # the inputs' copies are inserted before their reader's
+        for v in _in_recompute_order(fw, need, value, copies):
             nodes = _copy_producer(fw, v, copies, unique)
             graph.insert_before(anchor, nodes)
             added.extend(nodes)
