@@ -280,16 +280,38 @@ def test_session_settings_keep_the_clones_and_the_node_order(tmp_path):
     assert tanh_nodes([], False) == 4  # the 4 forward Tanh: their 4 clones merged into them
     assert tanh_nodes(session_settings()[1], True) == 8
 
+    ran = _executed(make_session(proto, session_options=_profiling(tmp_path)), x_feed([8, 8]))
+    assert ran == [n.name for n in proto.graph.node if n.name in set(ran)]
+
+
+def _profiling(tmp_path):
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / "profile")
-    sess = make_session(proto, session_options=so)
-    sess.run(None, x_feed([8, 8]))
+    return so
+
+
+def _executed(sess, feeds) -> list[str]:
+    """The node names in the order onnxruntime ran them."""
+    sess.run(None, feeds)
     events = json.load(open(sess.end_profiling()))
-    ran = [e["name"][: -len("_kernel_time")] for e in events
-           if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    order = [n.name for n in proto.graph.node if n.name in set(ran)]
-    assert ran == order
+    return [e["name"][: -len("_kernel_time")] for e in events
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+
+
+def test_session_settings_create_no_nodes_so_clones_run_in_the_backward(tmp_path):
+    """MatMul + Add (MatMulAddFusion) would become a Gemm with the highest node index: the
+    forward would wait on it while the clones ran. Under the settings every node of the graph
+    runs, in the graph's order (onnxruntime runs Shape and Size as soon as they are ready), and
+    the clones run after the first gradient node."""
+    proto = build(gelu_mlp(False), ["W1", "B1", "W2"], RecomputeOptions(gelu=True)).model_proto
+    ran = _executed(make_session(proto, session_options=_profiling(tmp_path)), x_feed([4, 16]))
+    shapes = {n.name for n in proto.graph.node if n.op_type in ("Shape", "Size")}  # run first
+    ours = [n.name for n in proto.graph.node if n.name not in shapes]
+    assert "/fc1/MatMul" in ran and "/fc1/Add" in ran
+    assert [name for name in ran if name not in shapes] == [name for name in ours if name in set(ran)]
+    first_grad = min(i for i, name in enumerate(ran) if "/grad/" in name)
+    assert all(i > first_grad for i, name in enumerate(ran) if "_recompute" in name)
 
 
 _PEAK = """
