@@ -146,7 +146,7 @@ class TrainingSession:
             if self._builder.recompute is not None and kind in ("step", "gradients", "accumulate"):
                 from .passes.recompute import session_settings
 
-                settings, disabled = session_settings()  # so that onnxruntime keeps the recompute
+                settings, disabled = session_settings(options.enable_cpu_mem_arena)  # keeps the recompute
                 options = _providers.options_with(options, **settings)
             session = _providers.cached_session(self._built[kind], options, self._providers,
                                                 self._provider_options, disabled)

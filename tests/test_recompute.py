@@ -318,7 +318,7 @@ _PEAK = """
 import sys, numpy as np, onnxruntime as ort
 from gradbuilder.passes.recompute import make_session
 so = ort.SessionOptions()
-so.enable_cpu_mem_arena = False
+so.enable_cpu_mem_arena = sys.argv[2] == "arena"
 so.enable_mem_pattern = False
 so.intra_op_num_threads = 1
 sess = make_session(sys.argv[1], session_options=so)
@@ -332,15 +332,17 @@ print(hwm() - start)
 """
 
 
-def _peak_kib(path):
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, check=True)
+def _peak_kib(path, arena):
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(path), "arena" if arena else "no-arena"],
+                         capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
 
-def test_peak_memory_lower_on_onnxruntime(tmp_path):
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "no-arena"])
+def test_peak_memory_lower_on_onnxruntime(tmp_path, arena):
     model, weights = wide_chain()  # 1 MiB activations, 6 layers
     build(model, weights).save(tmp_path / "base.onnx")
     build(model, weights, RecomputeOptions(transformer_layers=True)).save(tmp_path / "rc.onnx")
-    base, rc = _peak_kib(tmp_path / "base.onnx"), _peak_kib(tmp_path / "rc.onnx")
+    base, rc = _peak_kib(tmp_path / "base.onnx", arena), _peak_kib(tmp_path / "rc.onnx", arena)
     assert base > 16 * 1024, base  # the activations are measured
     assert rc < 0.8 * base, (rc, base)

@@ -6,10 +6,11 @@ recompute options, on the transformer of ``bench_train.py`` at sequence length 5
 
 Each configuration runs in a child process of its own (so peaks do not mix): the session is
 built and its state loaded, the resident memory noted (the baseline: weights, optimizer
-state, compiled graphs; onnxruntime's CPU arena is off so that memory freed by a step returns
-to the system), then ``--warmup`` + ``--steps`` training steps are timed. Activation
+state, compiled graphs), then ``--warmup`` + ``--steps`` training steps are timed. Activation
 memory = VmHWM after the steps - the baseline: what the steps added at their peak (the
-activations the backward holds, plus the step's transient buffers). Ratios are against the
+activations the backward holds, plus the step's transient buffers). onnxruntime's CPU arena
+is on, as in a default SessionOptions (it grows to the step's peak and keeps it); ``--arena
+off`` measures without it, where freed buffers go back to the system. Ratios are against the
 ``none`` configuration of the same run; the planner's own estimate is printed beside them.
 Losses are compared with ``none`` to show the gradients are unchanged.
 
@@ -67,7 +68,7 @@ def child(args) -> None:
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
                                 enable_grad_norm_clip=False, **CONFIGS[args.child])
     so = bt.session_options(args.threads)
-    so.enable_cpu_mem_arena = False  # freed activations go back to the OS: the baseline stays honest
+    so.enable_cpu_mem_arena = args.arena == "on"
     sess = TrainingSession(model, params, sess_options=so, providers=["CPUExecutionProvider"])
     sess.set_learning_rate(bt.LR)
     feeds = bt.ort_inputs(data, "cpu")
@@ -96,6 +97,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--arena", choices=["on", "off"], default="on", help="onnxruntime's CPU memory arena")
     p.add_argument("--json", help="write every figure to this path")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
@@ -104,7 +106,7 @@ def main(argv=None) -> None:
         return child(args)
     configs = ["none"] + [c for c in args.configs if c != "none"]
     print(f"transformer (vocab 8000, d 256, 4 layers, 4 heads) seq {args.seq}, batch {args.batch}; "
-          f"{args.threads} threads, median of {args.steps} steps after {args.warmup} warm-up")
+          f"{args.threads} threads, arena {args.arena}, median of {args.steps} steps after {args.warmup} warm-up")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model, data = build(args.seq, args.batch)
@@ -113,7 +115,7 @@ def main(argv=None) -> None:
         np.savez(os.path.join(tmp, "batch.npz"), **data)
         for name in configs:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dir", tmp, "--steps",
-                   str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+                   str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--arena", args.arena]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
