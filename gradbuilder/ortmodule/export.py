@@ -1,0 +1,266 @@
+"""Export a module call to ONNX with torch's exporter, for one input signature.
+
+The call's arguments are flattened (``torch.utils._pytree``): tensors become graph inputs
+``input_<i>`` with every dimension dynamic, everything else is baked into the graph and is
+part of the signature. Parameters and buffers become graph inputs named as in
+``named_parameters()`` / ``named_buffers()``, fed at run time, so an optimizer's updates and
+``load_state_dict`` need no new export. The outputs are flattened the same way; non-tensor
+leaves are kept from the traced call.
+
+Training-mode BatchNormalization also returns its new running statistics (outputs
+``running/<buffer name>``), computed as PyTorch does: ONNX's running variance uses the biased
+batch variance, PyTorch's the unbiased one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import warnings
+
+import onnx
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import GradBuilderError
+
+OPSET = 17
+RUNNING = "running/"
+
+
+class ExportError(GradBuilderError):
+    """torch's exporter could not turn the module into an ONNX graph we can train."""
+
+
+@dataclasses.dataclass
+class Exported:
+    model: onnx.ModelProto
+    inputs: dict[str, int]  # graph input -> index among the call's tensor leaves
+    state: dict[str, str]  # graph input -> parameter or buffer name
+    outputs: list[str]  # graph outputs of the module's tensor leaves, in order
+    out_spec: pytree.TreeSpec
+    out_leaves: list  # the traced call's output leaves (tensors as None)
+    running: dict[str, str]  # graph output -> buffer it updates (BatchNorm running stats)
+    batch_counters: list[str]  # num_batches_tracked buffers to increment each training call
+
+
+class _Flat(torch.nn.Module):
+    """The module as a function of its call's tensor leaves, returning its output's tensor
+    leaves; records the output's structure."""
+
+    def __init__(self, module, leaves, spec):
+        super().__init__()
+        self.inner = module
+        self._leaves = leaves
+        self._spec = spec
+        self.out_spec = None
+        self.out_leaves = None
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        out = self.inner(*args, **kwargs)
+        flat, self.out_spec = pytree.tree_flatten(out)
+        self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        return tuple(x for x in flat if isinstance(x, torch.Tensor))
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_CONTROL_FLOW = re.compile(r"Converting a tensor to a Python (boolean|number|index|integer|float|list)")
+
+
+def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False) -> Exported:
+    what = type(module).__name__
+    data, caught, flat = _trace(module, leaves, spec, verbose)
+    # Sizes are tensors while tracing, so a branch on a shape warns like a branch on values.
+    # Where the module's own code converted a tensor to a Python value, trace it again with
+    # other values of the same shapes: a branch on values shows as a different graph.
+    sites = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)
+             and _CONTROL_FLOW.search(str(w.message)) and not os.path.abspath(w.filename).startswith(_TORCH_DIR)]
+    if sites:
+        other, _, _ = _trace(module, [_other_values(x) for x in leaves], spec, False)
+        if _structure(other) != _structure(data):
+            where = "; ".join(sorted({f"{w.filename}:{w.lineno}" for w in sites}))
+            raise ExportError(
+                f"{what} uses Python control flow on tensor values ({where}: {_first_lines(str(sites[0].message), 1)}): "
+                "the graph traced for other input values differs, so no single exported graph computes it. Make the "
+                "branch depend on shapes or module attributes only (or use torch.where), or pass fallback=True to "
+                "ORTModule to run the module in PyTorch")
+    model = onnx.load_from_string(data)
+    return _exported(model, module, leaves, flat)
+
+
+def _trace(module, leaves, spec, verbose: bool):
+    """torch.onnx.export of the call with these leaves: the model bytes, the warnings, and
+    the wrapper that recorded the output's structure."""
+    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+    names = [f"input_{i}" for i in range(len(tensors))]
+    flat = _Flat(module, leaves, spec)
+    f = io.BytesIO()
+    mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
+    with warnings.catch_warnings(record=True) as caught, _untouched(module):
+        warnings.simplefilter("always")
+        try:
+            torch.onnx.export(
+                flat, tensors, f, input_names=names, dynamo=False, opset_version=OPSET, training=mode,
+                do_constant_folding=False, keep_initializers_as_inputs=True, export_params=True, verbose=verbose,
+                dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, tensors)})
+        except Exception as exc:  # the exporter raises many types; all mean the same to the user
+            raise ExportError(
+                f"torch.onnx.export (TorchScript exporter, opset {OPSET}) could not export {type(module).__name__}: "
+                f"{type(exc).__name__}: {_first_lines(str(exc))}. If an operator is unsupported, rewrite that "
+                "part of the module with supported operators, or pass fallback=True to ORTModule to run the "
+                "module in PyTorch") from exc
+    return f.getvalue(), list(caught), flat
+
+
+def _other_values(x):
+    """Same shape, dtype and range, other values: floats negated, integers and booleans in
+    reverse order."""
+    if not isinstance(x, torch.Tensor) or x.numel() < 2 and not x.is_floating_point():
+        return x
+    if x.is_floating_point() or x.is_complex():
+        return (-x).detach().clone().requires_grad_(x.requires_grad)
+    return x.flatten().flip(0).reshape(x.shape).clone()
+
+
+def _structure(data: bytes) -> list[bytes]:
+    """The graph's operators with their attributes and constants, without names or order
+    (both may change between two traces of the same code)."""
+    graph = onnx.load_from_string(data).graph
+    parts = []
+    for n in graph.node:
+        attrs = sorted(a.SerializeToString() for a in n.attribute)
+        parts.append(n.op_type.encode() + n.domain.encode() + b"".join(attrs))
+    parts += [t.raw_data or t.SerializeToString() for t in graph.initializer if not t.name.startswith("inner.")]
+    return sorted(parts)
+
+
+def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat) -> Exported:
+    """Parameters and buffers as inputs without initializers; the running statistics."""
+    names = [f"input_{i}" for i in range(sum(isinstance(x, torch.Tensor) for x in leaves))]
+    state = _state_names(module)
+    inits = {t.name for t in model.graph.initializer}
+    fed = {n: state[n.removeprefix("inner.")] for n in inits if n.removeprefix("inner.") in state}
+    kept = [t for t in model.graph.initializer if t.name not in fed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    inputs = [i for i in model.graph.input if i.name in fed or i.name in names]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    running, counters = _running_stats(model, fed, module)
+    return Exported(model=model, inputs={n: names.index(n) for n in names if n in {i.name for i in inputs}},
+                    state=fed, outputs=[o.name for o in model.graph.output if not o.name.startswith(RUNNING)],
+                    out_spec=flat.out_spec, out_leaves=flat.out_leaves, running=running, batch_counters=counters)
+
+
+@contextlib.contextmanager
+def _untouched(module: torch.nn.Module):
+    """Tracing runs the module: put back the buffers it updates (BatchNorm's running
+    statistics) and the random generators' states it advances (dropout)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _state_names(module: torch.nn.Module) -> dict[str, str]:
+    """Every name a parameter or buffer answers to (shared ones too) -> its first name."""
+    first: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for n, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        names[n] = first.setdefault(id(t), n)
+    return names
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    return " ".join(text.strip().splitlines()[:n])
+
+
+def _running_stats(model: onnx.ModelProto, fed: dict[str, str], module) -> tuple[dict[str, str], list[str]]:
+    """Expose each training-mode BatchNormalization's new running mean and variance as graph
+    outputs, the variance made unbiased as in PyTorch."""
+    h = onnx.helper
+    running: dict[str, str] = {}
+    counters: list[str] = []
+    nodes = []
+    buffers = dict(module.named_buffers())
+    for node in model.graph.node:
+        nodes.append(node)
+        training = any(a.name == "training_mode" and a.i for a in node.attribute)
+        if node.op_type != "BatchNormalization" or not training or len(node.input) < 5:
+            continue
+        mean_in, var_in = node.input[3], node.input[4]
+        if mean_in not in fed or var_in not in fed:
+            continue
+        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
+        p = f"{node.name or node.output[0]}/running"
+        # onnxruntime writes the new statistics over the buffers given as inputs 3 and 4: give
+        # it copies, so that the buffers keep their old values for the variance below.
+        nodes[-1:] = [
+            h.make_node("Constant", [], [p + "_unit"], value=h.make_tensor(p + "_unit_t", onnx.TensorProto.FLOAT, [], [1.0])),
+            h.make_node("CastLike", [p + "_unit", var_in], [p + "_unit_x"]),
+            h.make_node("Mul", [mean_in, p + "_unit_x"], [p + "_mean_copy"]),
+            h.make_node("Mul", [var_in, p + "_unit_x"], [p + "_var_copy"]),
+            node,
+        ]
+        node.input[3], node.input[4] = p + "_mean_copy", p + "_var_copy"
+        while len(node.output) < 3:
+            node.output.append("")
+        if not node.output[1]:
+            node.output[1] = p + "_mean_raw"
+        if not node.output[2]:
+            node.output[2] = p + "_var_raw"
+        mean_out, var_out = RUNNING + fed[mean_in], RUNNING + fed[var_in]
+        # PyTorch: var_new = m*var + (1-m)*var_b*n/(n-1); ONNX gives v = m*var + (1-m)*var_b,
+        # so var_new = (v*n - m*var) / (n-1), with n = elements per channel.
+        nodes += [
+            h.make_node("Identity", [node.output[1]], [mean_out]),
+            h.make_node("Shape", [node.input[0]], [p + "_shape"]),
+            h.make_node("ReduceProd", [p + "_shape"], [p + "_numel"], keepdims=0),
+            h.make_node("Shape", [node.input[0]], [p + "_c"], start=1, end=2),
+            h.make_node("Squeeze", [p + "_c"], [p + "_c0"]),
+            h.make_node("Div", [p + "_numel", p + "_c0"], [p + "_n_int"]),
+            h.make_node("CastLike", [p + "_n_int", node.output[2]], [p + "_n"]),
+            h.make_node("Constant", [], [p + "_one"], value=h.make_tensor(p + "_one_t", onnx.TensorProto.FLOAT, [], [1.0])),
+            h.make_node("Constant", [], [p + "_m"], value=h.make_tensor(p + "_m_t", onnx.TensorProto.FLOAT, [], [momentum])),
+            h.make_node("CastLike", [p + "_one", node.output[2]], [p + "_one_x"]),
+            h.make_node("CastLike", [p + "_m", node.output[2]], [p + "_m_x"]),
+            h.make_node("Mul", [node.output[2], p + "_n"], [p + "_vn"]),
+            h.make_node("Mul", [var_in, p + "_m_x"], [p + "_mv"]),
+            h.make_node("Sub", [p + "_vn", p + "_mv"], [p + "_num"]),
+            h.make_node("Sub", [p + "_n", p + "_one_x"], [p + "_den"]),
+            h.make_node("Div", [p + "_num", p + "_den"], [var_out]),
+        ]
+        for out, buf in ((mean_out, fed[mean_in]), (var_out, fed[var_in])):
+            running[out] = buf
+            t = buffers[buf]
+            model.graph.output.append(h.make_tensor_value_info(out, _onnx_dtype(t.dtype), list(t.shape)))
+        counter = fed[mean_in].rsplit(".", 1)[0] + ".num_batches_tracked"
+        if counter.endswith("running_mean.num_batches_tracked"):
+            counter = "num_batches_tracked"
+        if counter in buffers:
+            counters.append(counter)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return running, counters
+
+
+_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+           torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE}
+
+
+def _onnx_dtype(dtype) -> int:
+    return _DTYPES[dtype]

@@ -1,0 +1,196 @@
+"""A forward graph and a backward graph for a model whose loss is computed elsewhere.
+
+ORTModule runs a PyTorch module's forward in onnxruntime and lets PyTorch compute the loss,
+so the backward starts from the gradients of the model's outputs, given at run time:
+
+- the **forward** graph computes the outputs and also returns the values its backward reads
+  (the *saved* values: activations, dropout masks);
+- the **backward** graph takes one gradient per differentiable output (``<output>_grad_output``
+  inputs), the saved values and the forward inputs it reads, and returns ``<name>_grad`` for
+  every requested input that the outputs depend on.
+
+Both come from one differentiated graph: the nodes of the forward model go to the forward
+graph, the nodes the gradient rules added go to the backward graph, and every value crossing
+from the first to the second becomes an output of one and an input of the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Iterable
+
+import onnx
+import onnx_ir as ir
+
+from . import modelio
+from .autodiff import node_inputs, walk
+from .builder import _name_gradients, _values_by_name
+from .errors import InvalidArgumentError
+from .passes.canonicalize import sequence_appends_as_scan_outputs, split_to_sequence_as_split
+from .passes.cleanup import remove_unused_nodes
+from .passes.expand_functions import expand_functions
+from .passes.expose_masks import expose_dropout_masks
+from .passes.store_trips import store_loop_trips
+from .registry import FLOAT_TYPES, Emitter
+
+SEED_SUFFIX = "_grad_output"
+
+
+@dataclasses.dataclass
+class SplitGraphs:
+    forward: onnx.ModelProto
+    backward: onnx.ModelProto
+    outputs: list[str]  # the model's outputs: the first outputs of the forward graph
+    saved: list[str]  # the forward graph's further outputs, read by the backward
+    seeds: dict[str, str]  # backward input -> the output whose gradient it takes
+    gradients: dict[str, str]  # the input or weight -> its gradient, a backward output
+    forward_inputs: list[str]  # the forward graph's inputs
+    backward_inputs: list[str]  # the backward graph's inputs, all kinds
+
+    @property
+    def no_gradient(self) -> list[str]:
+        """Inputs asked for whose gradient is zero: the outputs do not depend on them."""
+        return [n for n, g in self.gradients.items() if g is None]
+
+
+def build_split(model, wrt: Iterable[str], outputs: Iterable[str] | None = None) -> SplitGraphs:
+    """Split graphs of ``model`` (bytes, path or ModelProto; not modified) differentiating its
+    float ``outputs`` (default: all float graph outputs) with respect to the graph inputs
+    ``wrt``."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # see GradientGraphBuilder.build
+    try:
+        return _build_split(model, list(wrt), outputs)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _build_split(model, wrt: list[str], outputs) -> SplitGraphs:
+    proto = modelio.normalize(modelio.load_proto(model))
+    if expand_functions(proto, wrt, modelio.default_opset(proto)):
+        modelio.infer_types(proto)
+    m = modelio.to_ir(proto)
+    del proto
+    graph = m.graph
+    opset = m.opset_imports.get("", None) or m.opset_imports.get("ai.onnx")
+    values = _values_by_name(graph)
+    inputs = {v.name: v for v in graph.inputs}
+    for name in wrt:
+        if name not in inputs:
+            raise InvalidArgumentError(f"split graphs: '{name}' is not an input of the model "
+                                       f"(inputs: {sorted(inputs)})")
+        if inputs[name].dtype not in FLOAT_TYPES:
+            raise InvalidArgumentError(f"split graphs: input '{name}' has type {inputs[name].dtype}; only "
+                                       "float tensors take gradients")
+    model_outputs = list(graph.outputs)
+    if outputs is None:
+        diff_outputs = [v for v in model_outputs if v.dtype in FLOAT_TYPES]
+    else:
+        diff_outputs = [values[n] for n in outputs]
+
+    e = Emitter(graph, opset)
+    split_to_sequence_as_split(graph, opset, e.unique)
+    sequence_appends_as_scan_outputs(graph, e.unique)
+    expose_dropout_masks(graph, e.unique)
+    wrt_values = [inputs[n] for n in wrt]
+    store_loop_trips(graph, wrt_values, e.unique)
+    forward_ids = {id(n) for n in graph}
+
+    seeds: dict[ir.Value, ir.Value] = {}
+    seed_names: dict[str, str] = {}
+    for out in diff_outputs:
+        if out in seeds:
+            continue
+        seed = ir.Value(name=e.unique(out.name + SEED_SUFFIX), type=out.type,
+                        shape=ir.Shape(list(out.shape)) if out.shape is not None else None)
+        seeds[out] = seed
+        seed_names[seed.name] = out.name
+    graph.inputs.extend(seeds.values())
+    grads = walk(graph, wrt_values, dict(seeds), opset, e)
+    reached = [w for w in wrt_values if w in grads]
+    named = _name_gradients(graph, e, reached, {w.name: grads[w] for w in reached})
+    gradients = {w.name: None for w in wrt_values}
+    gradients.update({w.name: g.name for w, g in zip(reached, named)})
+    graph.outputs.clear()
+    graph.outputs.extend(model_outputs + named)
+    remove_unused_nodes(m)
+
+    # The boundary: what backward nodes read from the forward side.
+    nodes = list(graph)
+    is_forward = [id(n) in forward_ids for n in nodes]
+    outputs_set = {v.name for v in model_outputs}
+    seed_set = set(seeds.values())
+    saved: dict[str, ir.Value] = {}
+    forward_inputs_read: dict[str, None] = {}
+    for node, fwd in zip(nodes, is_forward):
+        if fwd:
+            continue
+        for v in node_inputs(node):
+            if v is None or v in seed_set or v.is_initializer():
+                continue
+            producer = v.producer()
+            if producer is None:
+                if v.is_graph_input():
+                    forward_inputs_read[v.name] = None
+            elif id(producer) in forward_ids and v.name not in outputs_set:
+                saved[v.name] = v
+    for g in named:  # a gradient that is a forward value (Identity of an input, ...)
+        producer = g.producer()
+        if producer is not None and id(producer) in forward_ids:
+            saved[g.name] = g
+    saved_values = list(saved.values())
+    saved_infos = [ir.serde.serialize_value(v) for v in saved_values]
+    out_infos = [ir.serde.serialize_value(v) for v in model_outputs]
+    grad_infos = [ir.serde.serialize_value(v) for v in named]
+    full = ir.to_proto(m)
+    del m
+    gc.collect()
+
+    fw_nodes = [n for n, f in zip(full.graph.node, is_forward) if f]
+    bw_nodes = [n for n, f in zip(full.graph.node, is_forward) if not f]
+    seed_inputs = [i for i in full.graph.input if i.name in seed_names]
+    forward_graph_inputs = [i for i in full.graph.input if i.name not in seed_names]
+    fw = _part(full, fw_nodes, forward_graph_inputs, out_infos + saved_infos, "forward")
+    read_inputs = [i for i in forward_graph_inputs if i.name in forward_inputs_read]
+    outputs_read = [i for i in out_infos if _reads(bw_nodes, i.name) or i.name in {g.name for g in grad_infos}]
+    bw_inputs = seed_inputs + outputs_read + saved_infos + read_inputs
+    bw = _part(full, bw_nodes, bw_inputs, grad_infos, "backward")
+    return SplitGraphs(
+        forward=fw, backward=bw, outputs=[v.name for v in model_outputs], saved=[v.name for v in saved_values],
+        seeds=seed_names, gradients=gradients, forward_inputs=[i.name for i in fw.graph.input],
+        backward_inputs=[i.name for i in bw.graph.input],
+    )
+
+
+def _reads(nodes, name: str) -> bool:
+    return any(name in _node_reads(n) for n in nodes)
+
+
+def _node_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name ``node`` reads, its subgraphs' outer reads included."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
+                  list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []):
+            inner = {i.name for i in g.input} | {t.name for t in g.initializer}
+            for n in g.node:
+                inner.update(n.output)
+            for n in g.node:
+                names.update(x for x in _node_reads(n) if x not in inner)
+    names.discard("")
+    return names
+
+
+def _part(full: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.ModelProto:
+    """A model of ``nodes`` from ``full`` with the given inputs and outputs and the
+    initializers the nodes read."""
+    read: set[str] = set()
+    for n in nodes:
+        read |= _node_reads(n)
+    graph = onnx.helper.make_graph(list(nodes), f"{full.graph.name}_{name}", list(inputs), list(outputs),
+                                   [t for t in full.graph.initializer if t.name in read])
+    out = onnx.helper.make_model(graph, opset_imports=list(full.opset_import), ir_version=full.ir_version,
+                                 producer_name="gradbuilder", functions=list(full.functions))
+    return out
