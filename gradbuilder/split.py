@@ -54,20 +54,21 @@ class SplitGraphs:
         return [n for n, g in self.gradients.items() if g is None]
 
 
-def build_split(model, wrt: Iterable[str], outputs: Iterable[str] | None = None) -> SplitGraphs:
+def build_split(model, wrt: Iterable[str], outputs: Iterable[str] | None = None,
+                stop_gradients: Iterable[str] = ()) -> SplitGraphs:
     """Split graphs of ``model`` (bytes, path or ModelProto; not modified) differentiating its
     float ``outputs`` (default: all float graph outputs) with respect to the graph inputs
-    ``wrt``."""
+    ``wrt``; no gradient flows through the values named in ``stop_gradients``."""
     gc_was_enabled = gc.isenabled()
     gc.disable()  # see GradientGraphBuilder.build
     try:
-        return _build_split(model, list(wrt), outputs)
+        return _build_split(model, list(wrt), outputs, list(stop_gradients))
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _build_split(model, wrt: list[str], outputs) -> SplitGraphs:
+def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> SplitGraphs:
     proto = modelio.normalize(modelio.load_proto(model))
     if expand_functions(proto, wrt, modelio.default_opset(proto)):
         modelio.infer_types(proto)
@@ -108,7 +109,10 @@ def _build_split(model, wrt: list[str], outputs) -> SplitGraphs:
         seeds[out] = seed
         seed_names[seed.name] = out.name
     graph.inputs.extend(seeds.values())
-    grads = walk(graph, wrt_values, dict(seeds), opset, e)
+    missing = [n for n in stop_gradients if n not in values]
+    if missing:
+        raise InvalidArgumentError(f"split graphs: stop_gradients names values the model does not have: {missing}")
+    grads = walk(graph, wrt_values, dict(seeds), opset, e, frozenset(values[n] for n in stop_gradients))
     reached = [w for w in wrt_values if w in grads]
     named = _name_gradients(graph, e, reached, {w.name: grads[w] for w in reached})
     gradients = {w.name: None for w in wrt_values}

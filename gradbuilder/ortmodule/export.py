@@ -45,6 +45,8 @@ class Exported:
     out_leaves: list  # the traced call's output leaves (tensors as None)
     running: dict[str, str]  # graph output -> buffer it updates (BatchNorm running stats)
     batch_counters: list[str]  # num_batches_tracked buffers to increment each training call
+    fixed_sizes: str | None = None  # why the graph holds only for the traced input sizes
+    stop_gradients: list[str] = dataclasses.field(default_factory=list)  # values no gradient flows through
 
 
 class _Flat(torch.nn.Module):
@@ -100,6 +102,7 @@ def _trace(module, leaves, spec, verbose: bool):
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     names = [f"input_{i}" for i in range(len(tensors))]
     flat = _Flat(module, leaves, spec)
+    flat.training = module.training  # the exporter restores the wrapper's mode on its children
     f = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
     with warnings.catch_warnings(record=True) as caught, _untouched(module):
@@ -153,9 +156,84 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat) -> Exported:
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     running, counters = _running_stats(model, fed, module)
+    stops = _embedding_padding(model, fed, module)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     return Exported(model=model, inputs={n: names.index(n) for n in names if n in {i.name for i in inputs}},
                     state=fed, outputs=[o.name for o in model.graph.output if not o.name.startswith(RUNNING)],
-                    out_spec=flat.out_spec, out_leaves=flat.out_leaves, running=running, batch_counters=counters)
+                    out_spec=flat.out_spec, out_leaves=flat.out_leaves, running=running, batch_counters=counters,
+                    fixed_sizes=_fixed_sizes(model, {d for t in tensors for d in t.shape if d > 1}),
+                    stop_gradients=stops)
+
+
+def _embedding_padding(model: onnx.ModelProto, fed: dict[str, str], module) -> list[str]:
+    """``nn.Embedding(padding_idx=p)`` gives row p no gradient; its export is a plain Gather.
+    Each Gather of such a weight becomes Where(ids == p, Gather(stop-gradient copy of the
+    weight, ids), Gather(weight, ids)): the same values, and row p gets no gradient from it
+    (a tied weight still gets the gradient of its other uses). Returns the copies' names."""
+    h = onnx.helper
+    padding = {f"{name}.weight" if name else "weight": m.padding_idx for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None}
+    weight_of = {graph_name: padding[param] for graph_name, param in fed.items() if param in padding}
+    if not weight_of:
+        return []
+    nodes, stops = [], []
+    for node in model.graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type != "Gather" or node.input[0] not in weight_of or axis != 0:
+            nodes.append(node)
+            continue
+        w, ids, out = node.input[0], node.input[1], node.output[0]
+        p = f"{node.name or out}/padding"
+        pad = weight_of[w]
+        nodes += [
+            h.make_node("Gather", [w, ids], [p + "_rows"], name=node.name),
+            h.make_node("Identity", [w], [p + "_weight_nograd"]),
+            h.make_node("Gather", [p + "_weight_nograd", ids], [p + "_rows_nograd"]),
+            h.make_node("Constant", [], [p + "_idx"], value=h.make_tensor(p + "_idx_t", onnx.TensorProto.INT64, [], [pad])),
+            h.make_node("CastLike", [p + "_idx", ids], [p + "_idx_x"]),
+            h.make_node("Equal", [ids, p + "_idx_x"], [p + "_is_pad"]),
+            h.make_node("Constant", [], [p + "_last"], value=h.make_tensor(p + "_last_t", onnx.TensorProto.INT64, [1], [-1])),
+            h.make_node("Unsqueeze", [p + "_is_pad", p + "_last"], [p + "_is_pad_u"]),
+            h.make_node("Where", [p + "_is_pad_u", p + "_rows_nograd", p + "_rows"], [out]),
+        ]
+        stops.append(p + "_weight_nograd")
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return stops
+
+
+# Inputs that take a shape, or positions along one.
+_SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "Tile": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
+                 "Slice": (1, 2), "Resize": (3,), "Upsample": (1,), "Pad": (1,)}
+_SHAPE_ARITHMETIC = {"Concat", "Unsqueeze", "Squeeze", "Cast", "Mul", "Add", "Sub", "Div", "Identity"}
+
+
+def _fixed_sizes(model: onnx.ModelProto, sizes: set[int]) -> str | None:
+    """Where the tracer turned an input size into a constant: a constant equal to one of the
+    traced inputs' sizes (other than 1) that reaches a shape input through shape
+    arithmetic. torch's MultiheadAttention, for one, reshapes with the traced sequence
+    length as a number. None when there is none."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t for t in model.graph.initializer}
+
+    def constants(name, depth=0):
+        node = producer.get(name)
+        if name in inits:
+            yield onnx.numpy_helper.to_array(inits[name])
+        elif node is not None and node.op_type == "Constant" and node.attribute[0].name == "value":
+            yield onnx.numpy_helper.to_array(node.attribute[0].t)
+        elif node is not None and node.op_type in _SHAPE_ARITHMETIC and depth < 8:
+            for i in node.input[:1] if node.op_type in ("Unsqueeze", "Squeeze") else node.input:
+                yield from constants(i, depth + 1)
+
+    for node in model.graph.node:
+        for index in _SHAPE_INPUTS.get(node.op_type, ()):
+            if index < len(node.input) and node.input[index]:
+                for value in constants(node.input[index]):
+                    hit = sorted(sizes & {int(v) for v in value.ravel().tolist()}) if value.dtype.kind in "iu" else []
+                    if hit:
+                        return f"node '{node.name}' ({node.op_type}) takes the traced size {hit[0]} as a constant"
+    return None
 
 
 @contextlib.contextmanager

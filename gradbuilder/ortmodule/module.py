@@ -51,7 +51,8 @@ class ORTModule(torch.nn.Module):
         self._debug.apply_logging()
         self._fallback = bool(fallback)
         self._session_options = session_options
-        self._compiled: dict = {}
+        self._compiled: dict = {}  # signature -> Compiled, "fallback", or {input shapes: Compiled}
+        self._exports = 0
 
     # ------------------------------------------------------------------ the module's face
     def forward(self, *args, **kwargs):
@@ -65,14 +66,25 @@ class ORTModule(torch.nn.Module):
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
         key = _signature(leaves, spec, self.module.training, needs_grad, params, device)
         compiled = self._compiled.get(key)
+        if isinstance(compiled, dict):  # a graph per input shape (see below)
+            compiled = compiled.get(_shapes(leaves))
         if compiled is None:
-            compiled = self._compile(key, leaves, spec, params, needs_grad, device)
+            compiled = self._compile(leaves, spec, params, needs_grad, device)
+            if compiled != "fallback" and compiled.exported.fixed_sizes:
+                if key not in self._compiled:
+                    logger.info("ORTModule: the exported graph of %s holds only for the traced input sizes (%s); "
+                                "it is exported again for each new input shape", type(self.module).__name__,
+                                compiled.exported.fixed_sizes)
+                self._compiled.setdefault(key, {})[_shapes(leaves)] = compiled
+            else:
+                self._compiled[key] = compiled
         if compiled == "fallback":
             return self.module(*args, **kwargs)
         return self._call(compiled, leaves, params, buffers)
 
-    def _compile(self, key, leaves, spec, params, needs_grad, device):
-        number = len(self._compiled)
+    def _compile(self, leaves, spec, params, needs_grad, device):
+        number = self._exports
+        self._exports += 1
         logger.info("ORTModule: exporting %s for a new input signature (%d so far)", type(self.module).__name__, number)
         try:
             with torch.no_grad():
@@ -82,7 +94,7 @@ class ORTModule(torch.nn.Module):
                 wrt = [n for n, i in exported.inputs.items()
                        if leaves_tensor(leaves, i).requires_grad and leaves_tensor(leaves, i).is_floating_point()]
                 wrt += [n for n, s in exported.state.items() if s in params and params[s].requires_grad]
-            compiled = Compiled(exported, wrt, device, self._debug, number, self._session_options)
+            return Compiled(exported, wrt, device, self._debug, number, self._session_options)
         except GradBuilderError as exc:
             if not self._fallback:
                 if isinstance(exc, ExportError):
@@ -90,10 +102,14 @@ class ORTModule(torch.nn.Module):
                 raise type(exc)(f"ORTModule({type(self.module).__name__}): {exc}. Pass fallback=True to ORTModule "
                                 "to run the module in PyTorch") from exc
             warnings.warn(f"ORTModule: running {type(self.module).__name__} in PyTorch for this input signature: "
-                          f"{exc}", RuntimeWarning, stacklevel=3)
-            compiled = "fallback"
-        self._compiled[key] = compiled
-        return compiled
+                          f"{exc}", RuntimeWarning, stacklevel=4)
+            return "fallback"
+
+    @property
+    def exports(self) -> int:
+        """How many times the module was exported (one per input signature, or per input shape
+        where the exported graph fixed a size)."""
+        return self._exports
 
     def _call(self, compiled: Compiled, leaves, params, buffers):
         ex = compiled.exported
@@ -124,8 +140,6 @@ class ORTModule(torch.nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if assign:
-            self._compiled.clear()  # new tensors: nothing cached refers to the old ones, but be explicit
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str):
@@ -160,6 +174,10 @@ def _refuse_data_parallel(module: ORTModule) -> None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch.nn.DataParallel):
             raise InvalidArgumentError(_DATA_PARALLEL)
+
+
+def _shapes(leaves) -> tuple:
+    return tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))
 
 
 def _device_of(leaves, params, buffers) -> torch.device:

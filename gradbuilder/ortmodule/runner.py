@@ -45,7 +45,8 @@ class Compiled:
         so = _providers.options_with(session_options, log_severity_level=int(debug.log_level))
         self.split: SplitGraphs | None = None
         if wrt:
-            self.split = build_split(exported.model, wrt, outputs=self._float_outputs())
+            self.split = build_split(exported.model, wrt, outputs=self._float_outputs(),
+                                     stop_gradients=exported.stop_gradients)
             forward, backward = self.split.forward, self.split.backward
             for name in self.split.no_gradient:
                 logger.info("ORTModule: the outputs do not depend on '%s': its gradient is None", name)

@@ -1,0 +1,419 @@
+"""ORTModule: training through onnxruntime matches plain PyTorch, step for step."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+
+from gradbuilder.errors import InvalidArgumentError, UnsupportedOpError
+from gradbuilder.ortmodule import DebugOptions, ExportError, LogLevel, ORTModule
+
+
+RTOL = 1e-4
+
+
+def _quiet():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+    transformers.logging.set_verbosity_error()
+
+
+# ----------------------------------------------------------------------------- models
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 5))
+
+
+def cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 5))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(dim=1))
+
+
+def bert():
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=5)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _ids(batch, seq, rng):
+    return ((torch.randint(0, 100, (batch, seq), generator=rng),),
+            {"attention_mask": torch.ones(batch, seq, dtype=torch.long)})
+
+
+CASES = {
+    # name: (factory, batch(step, rng) -> (args, kwargs, target), loss(output, target))
+    "mlp": (mlp, lambda s, r: ((torch.randn(13 + s % 3, 10, generator=r),), {}, torch.randint(0, 5, (13 + s % 3,), generator=r)),
+            lambda out, y: torch.nn.functional.cross_entropy(out, y)),
+    "cnn-batchnorm": (cnn, lambda s, r: ((torch.randn(5 + s % 2, 3, 8, 8, generator=r),), {},
+                                         torch.randint(0, 5, (5 + s % 2,), generator=r)),
+                      lambda out, y: torch.nn.functional.cross_entropy(out, y)),
+    "transformer-encoder": (Encoder, lambda s, r: ((torch.randn(3, 5 + s % 4, 32, generator=r),), {},
+                                                   torch.randint(0, 5, (3,), generator=r)),
+                            lambda out, y: torch.nn.functional.cross_entropy(out, y)),
+    "bert": (bert, lambda s, r: (*_ids(5, 11 + s % 5, r), torch.randint(0, 5, (5,), generator=r)),
+             lambda out, y: torch.nn.functional.cross_entropy(out.logits, y)),
+    "gpt2": (gpt2, lambda s, r: (*_ids(5 + s % 2, 11 + s % 3, r), None),
+             lambda out, y: out.logits.float().pow(2).mean()),
+}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """Largest difference relative to the tensor's own largest value (or 1% of the model's
+    largest gradient, for tensors whose gradient is round-off, e.g. attention key biases)."""
+    return float((a - b).abs().max()) / max(float(a.abs().max()), 1e-2 * scale, 1e-30)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_twenty_steps_match_pytorch(name):
+    """Losses and gradients equal PyTorch's (relative 1e-4) over 20 SGD steps with momentum;
+    the sequence and batch sizes change between steps without a new export, except where the
+    traced graph fixed a size."""
+    _quiet()
+    factory, batch, loss_fn = CASES[name]
+    torch.manual_seed(0)
+    ref = factory().train()
+    om = ORTModule(copy.deepcopy(ref))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_om = torch.optim.SGD(om.parameters(), lr=0.05, momentum=0.9)
+    rng = torch.Generator().manual_seed(1)
+    worst_loss = worst_grad = 0.0
+    shapes = set()
+    for step in range(20):
+        args, kwargs, target = batch(step, rng)
+        shapes.add(tuple(args[0].shape))
+        l_ref = loss_fn(ref(*args, **kwargs), target)
+        l_om = loss_fn(om(*args, **kwargs), target)
+        opt_ref.zero_grad()
+        opt_om.zero_grad()
+        l_ref.backward()
+        l_om.backward()
+        worst_loss = max(worst_loss, abs(l_ref.item() - l_om.item()) / abs(l_ref.item()))
+        grads = [(p.grad, q.grad) for p, q in zip(ref.parameters(), om.parameters())]
+        assert all((a is None) == (b is None) for a, b in grads)
+        scale = max(float(a.abs().max()) for a, _ in grads if a is not None)
+        worst_grad = max([worst_grad] + [_close(a, b, scale) for a, b in grads if a is not None])
+        opt_ref.step()
+        opt_om.step()
+    assert worst_loss < RTOL and worst_grad < RTOL, (worst_loss, worst_grad)
+    if name == "transformer-encoder":  # torch's MultiheadAttention traces the sequence length as a number
+        assert om.exports == len(shapes) > 1
+    else:
+        assert om.exports == 1 and len(shapes) > 1  # one export for every batch and sequence size
+    for (k, a), (k2, b) in zip(ref.state_dict().items(), om.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=k)  # BatchNorm running statistics too
+
+
+def test_adamw_and_scheduler_unchanged():
+    _quiet()
+    torch.manual_seed(0)
+    ref = mlp()
+    om = ORTModule(copy.deepcopy(ref))
+    runs = []
+    for model in (ref, om):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        rng = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(8):
+            x, y = torch.randn(16, 10, generator=rng), torch.randint(0, 5, (16,), generator=rng)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        runs.append(losses)
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+
+
+def test_module_face_parameters_state_dict_modes():
+    _quiet()
+    torch.manual_seed(0)
+    inner = cnn()
+    om = ORTModule(inner)
+    assert [id(p) for p in om.parameters()] == [id(p) for p in inner.parameters()]
+    assert list(om.state_dict()) == list(inner.state_dict())
+    assert [n for n, _ in om.named_buffers()] == [n for n, _ in inner.named_buffers()]
+    x = torch.randn(2, 3, 8, 8)
+    om.eval()
+    assert not inner.training
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), inner(x), rtol=1e-5, atol=1e-6)
+    other = cnn()
+    om.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), other.eval()(x), rtol=1e-5, atol=1e-6)  # no new export needed
+    assert om.exports == 1
+    om.train()
+    assert inner.training
+    calls = []
+    om.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    om(x)
+    assert calls == [torch.Size([2, 5])]
+    assert om.exports == 2  # eval, train
+
+
+def test_float64_module():
+    _quiet()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    om = ORTModule(copy.deepcopy(ref))
+    x = torch.randn(4, 10, dtype=torch.float64)
+    om(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(ref.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_attributes_of_the_wrapped_module():
+    _quiet()
+    model = gpt2()
+    om = ORTModule(model)
+    assert om.config is model.config
+    assert om.module is model
+
+
+def test_signatures_rank_mode_requires_grad_and_no_grad():
+    _quiet()
+    torch.manual_seed(0)
+    ref = mlp()
+    om = ORTModule(copy.deepcopy(ref))
+    om(torch.randn(4, 10))
+    om(torch.randn(7, 10))
+    assert om.exports == 1
+    om(torch.randn(2, 4, 10))  # another rank
+    assert om.exports == 2
+    with torch.no_grad():
+        out = om(torch.randn(4, 10))  # forward graph only
+    assert om.exports == 3 and not out.requires_grad
+    key = [k for k, c in om._compiled.items() if c.split is None]
+    assert len(key) == 1
+    x = torch.randn(5, 10, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    om(x).pow(2).sum().backward()
+    ref(x_ref).pow(2).sum().backward()
+    assert om.exports == 4
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_parameters_get_no_gradient():
+    _quiet()
+    torch.manual_seed(0)
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    om = ORTModule(model)
+    om(torch.randn(3, 10)).sum().backward()
+    assert model[0].weight.grad is None and model[0].bias.grad is not None
+
+
+class Structured(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, inputs, scale=2.0, tag="a"):
+        h = self.lin(inputs["x"]) * scale
+        return {"h": h, "pair": (h.argmax(dim=-1), inputs["y"] + 1), "tag": tag}
+
+
+def test_nested_inputs_and_outputs():
+    _quiet()
+    torch.manual_seed(0)
+    ref = Structured()
+    om = ORTModule(copy.deepcopy(ref))
+    inputs = {"x": torch.randn(5, 4), "y": torch.arange(5)}
+    a, b = ref(inputs, scale=3.0, tag="b"), om(inputs, scale=3.0, tag="b")
+    assert b["tag"] == "b"
+    torch.testing.assert_close(b["h"], a["h"])
+    assert b["pair"][0].dtype == torch.int64 and not b["pair"][0].requires_grad
+    torch.testing.assert_close(b["pair"][1], a["pair"][1])
+    b["h"].sum().backward()
+    a["h"].sum().backward()
+    torch.testing.assert_close(om.module.lin.weight.grad, ref.lin.weight.grad)
+    om(inputs, scale=2.0)
+    assert om.exports == 2  # a non-tensor argument is part of the signature
+
+
+def test_output_not_used_in_the_loss_gets_zero_gradient():
+    _quiet()
+    torch.manual_seed(0)
+    ref = Structured()
+    om = ORTModule(copy.deepcopy(ref))
+    inputs = {"x": torch.randn(5, 4), "y": torch.arange(5)}
+    om(inputs)["pair"][1].float().sum()  # an integer output: no gradient
+    out = om(inputs)
+    (out["h"] * 0).sum().backward()
+    assert torch.count_nonzero(om.module.lin.weight.grad) == 0
+
+
+def test_debug_options_save_onnx_and_log_level(tmp_path, caplog):
+    _quiet()
+    torch.manual_seed(0)
+    opts = DebugOptions(save_onnx=True, log_level=LogLevel.INFO, onnx_prefix="my_model", save_path=str(tmp_path))
+    om = ORTModule(mlp(), opts)
+    with caplog.at_level(logging.INFO, logger="gradbuilder.ortmodule"):
+        om(torch.randn(3, 10)).sum().backward()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["my_model_0_backward.onnx", "my_model_0_exported.onnx", "my_model_0_forward.onnx"]
+    for n in names:
+        onnx.checker.check_model(str(tmp_path / n))
+    assert any("exporting Sequential" in r.getMessage() for r in caplog.records)
+    assert logging.getLogger("gradbuilder.ortmodule").level == logging.INFO
+    compiled = next(iter(om._compiled.values()))
+    assert compiled.forward_session.get_session_options().log_severity_level == 1
+    with pytest.raises(InvalidArgumentError, match="onnx_prefix"):
+        DebugOptions(save_onnx=True)
+    with pytest.raises(InvalidArgumentError, match="log_level"):
+        DebugOptions(log_level=7)
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # a branch on values
+            return self.lin(x)
+        return self.lin(-x)
+
+
+class Unexportable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.diff(self.lin(x), dim=-1)  # aten::diff has no ONNX export
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+    @staticmethod
+    def symbolic(g, x):
+        return g.op("example.custom::Square", x)
+
+
+class NoRule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Square.apply(self.lin(x))
+
+
+@pytest.mark.parametrize("module, error, match", [
+    (Branchy, ExportError, r"Python control flow on tensor values \(.*test_ortmodule.py:\d+"),
+    (Unexportable, ExportError, "aten::diff"),
+    (NoRule, UnsupportedOpError, r"ORTModule\(NoRule\).*no gradient rule.*op_type=Square, domain='example.custom'"),
+], ids=["control-flow", "unsupported-export", "no-gradient-rule"])
+def test_clear_errors_and_opt_in_fallback(module, error, match):
+    _quiet()
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    with pytest.raises(error, match=match) as info:
+        ORTModule(module())(x).sum().backward()
+    assert "fallback=True" in str(info.value)
+    ref = module()
+    om = ORTModule(copy.deepcopy(ref), fallback=True)
+    with pytest.warns(RuntimeWarning, match="running .* in PyTorch"):
+        out = om(x)
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    assert om.module.lin.weight.grad is not None
+
+
+def test_value_branch_on_shapes_is_not_an_error():
+    """A branch on a shape also warns while tracing; the second trace shows it is not on values."""
+    _quiet()
+
+    class OnShape(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] > 1:
+                return self.lin(x)
+            return self.lin(x) * 2
+
+    torch.manual_seed(0)
+    ref = OnShape()
+    om = ORTModule(copy.deepcopy(ref))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(om(x), ref(x))
+
+
+def test_wrapping_errors():
+    with pytest.raises(InvalidArgumentError, match="torch.nn.Module"):
+        ORTModule(lambda x: x)
+    with pytest.raises(InvalidArgumentError, match="already"):
+        ORTModule(ORTModule(mlp()))
+
+
+class TiedPadded(torch.nn.Module):
+    """An embedding with a padding row whose weight the output layer shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4, padding_idx=0)
+        self.out = torch.nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+def test_embedding_padding_row_gets_no_gradient_through_the_lookup():
+    _quiet()
+    torch.manual_seed(0)
+    ref = TiedPadded()
+    with torch.no_grad():
+        ref.emb.weight[0] = 0.5  # the padding row starts at zero; make its output-layer gradient show
+    om = ORTModule(copy.deepcopy(ref))
+    ids = torch.tensor([[0, 3, 0, 5], [2, 0, 7, 7]])
+    ref(ids).pow(2).sum().backward()
+    om(ids).pow(2).sum().backward()
+    assert len(list(om.parameters())) == 1  # tied
+    grad = om.module.emb.weight.grad
+    torch.testing.assert_close(grad, ref.emb.weight.grad, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(grad[0]) > 0  # the output layer's share of row 0 stays

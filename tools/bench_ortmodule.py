@@ -1,0 +1,185 @@
+"""ORTModule benchmark: the training step of ``ORTModule(model)`` against PyTorch eager, on the
+transformer of ``bench_train.py``, side by side in one process.
+
+    python tools/bench_ortmodule.py                          # CPU, 2 threads, seq 128, batch 8
+    python tools/bench_ortmodule.py --threads 4 --steps 50 --json out.json
+    python tools/bench_ortmodule.py --device cuda
+    python tools/bench_ortmodule.py --steps 3 --warmup 1 --seq 64       # a quick smoke run
+
+The model is ``bench_train.EncoderClassifier`` (Embedding(8000, 256) + learned positions
+[seq, 256] + 4 x TransformerEncoderLayer(256, 4 heads, ff 1024, dropout 0, batch_first) + mean
+over the sequence + Linear(256, 10)), built once from ``torch.manual_seed(0)``; each contender
+trains its own deep copy, so both start from the same weights:
+
+- ``pytorch``:    the module itself, eager;
+- ``ortmodule``:  ``ORTModule(module, session_options=...)``: forward and backward in
+                  onnxruntime, with ``intra_op_num_threads = --threads``.
+
+One training step, the same for both: ``zero_grad(set_to_none=True)``, ``logits =
+model(tokens)``, ``loss = cross_entropy(logits, labels)`` in PyTorch (outside the ORTModule),
+``loss.backward()``, ``torch.optim.AdamW(lr=1e-3).step()``. Every step has a batch of its own
+(int64 tokens [batch, seq], labels [batch], from a fixed seed); step i of both contenders uses
+the same batch. ``torch.set_num_threads(--threads)`` for both.
+
+Each contender runs its ``--warmup`` steps (the ORTModule's first step exports the module,
+builds the forward and backward graphs and their onnxruntime sessions), then the ``--steps``
+measured steps run in ``--rounds`` rounds in which the contenders take turns, so background
+load on the machine hits both alike (``bench_train.run_interleaved``). On CUDA the device is
+synchronized before and after every timed step.
+
+Printed numbers:
+
+- ``first call``: the ORTModule's first forward call, which exports and builds (torch's ONNX
+  export, the gradient graph, the forward/backward split, two sessions) and then runs the
+  forward once; PyTorch's first forward is shown beside it.
+- ``pytorch ms``, ``ortmodule ms``: median step time over the measured steps;
+  ``ratio`` = ortmodule / pytorch.
+- ``loss rel``: max over all steps of |l_ort - l_pt| / max(|l_ort|, |l_pt|, 1e-3 l_0) (as in
+  ``bench_train.py``). Both runs compute the same training from the same weights and batches:
+  the curves agree to float rounding. Above 1e-3 a WARNING is printed: the timings then compare
+  different computations.
+
+``--json PATH`` writes the settings, every step time and every loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train as bt  # noqa: E402  (the model and helpers are shared)
+
+from gradbuilder.ortmodule import ORTModule  # noqa: E402
+
+
+def make_batches(n: int, batch: int, seq: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of (int64 tokens [batch, seq], int64 labels [batch]), from a fixed seed."""
+    rng = np.random.default_rng(0)
+    return [(torch.from_numpy(rng.integers(0, 8000, (batch, seq), dtype=np.int64)).to(device),
+             torch.from_numpy(rng.integers(0, 10, (batch,), dtype=np.int64)).to(device)) for _ in range(n)]
+
+
+class Trainer:
+    """One contender for ``bench_train.timed_steps``: step() trains on the next batch and returns
+    the loss tensor; the first forward call is timed on its own."""
+
+    def __init__(self, model: torch.nn.Module, batches, device: str):
+        self.model = model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=bt.LR)
+        self.batches = batches
+        self.device = device
+        self.calls = 0
+        self.first_call_s: float | None = None
+
+    def step(self):
+        x, y = self.batches[self.calls % len(self.batches)]
+        self.opt.zero_grad(set_to_none=True)
+        if self.calls == 0:
+            bt.sync(self.device)
+            t0 = time.perf_counter()
+            logits = self.model(x)
+            bt.sync(self.device)
+            self.first_call_s = time.perf_counter() - t0
+        else:
+            logits = self.model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        self.opt.step()
+        self.calls += 1
+        return loss.detach()
+
+    @staticmethod
+    def loss(value) -> float:
+        return float(value)
+
+
+def loss_rel_diff(reference: list[float], other: list[float]) -> tuple[float, int]:
+    """Max relative difference of two loss curves (floor: 1e-3 x the first loss) and its step."""
+    a, b = np.array(reference), np.array(other)
+    floor = bt.LOSS_FLOOR * abs(reference[0])
+    rel = np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), floor)
+    return float(rel.max()), int(rel.argmax())
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--threads", type=int, default=2, help="torch and onnxruntime intra-op threads (default 2)")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps, not measured, the first call included "
+                                                           "(default 3)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="the measured steps run in this many rounds, the contenders taking turns (default 3; "
+                         "at most --steps)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    ap.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    args = ap.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.threads < 1:
+        ap.error("--warmup, --steps, --rounds and --threads must be >= 1")
+    args.rounds = min(args.rounds, args.steps)
+    if args.device == "cuda":
+        if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
+            ap.error("--device cuda needs torch with CUDA and onnxruntime's CUDAExecutionProvider")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, onnxruntime {ort.__version__}, device {args.device}, threads {args.threads}")
+    print(f"transformer (vocab 8000, d 256, 4 layers, 4 heads, ff 1024) seq {args.seq}, batch {args.batch}; "
+          f"AdamW lr {bt.LR:g}; median of {args.steps} steps in {args.rounds} rounds after {args.warmup} warm-up")
+
+    torch.manual_seed(0)
+    module = bt.EncoderClassifier(seq=args.seq).to(args.device)
+    batches = make_batches(args.warmup + args.steps, args.batch, args.seq, args.device)
+    contenders = {
+        "pytorch": Trainer(copy.deepcopy(module), batches, args.device),
+        "ortmodule": Trainer(ORTModule(copy.deepcopy(module), session_options=bt.session_options(args.threads)),
+                             batches, args.device),
+    }
+    del module
+    times, losses = bt.run_interleaved(contenders, args)
+
+    pt_ms, ort_ms = bt.median_ms(times["pytorch"], args.warmup), bt.median_ms(times["ortmodule"], args.warmup)
+    rel, rel_step = loss_rel_diff(losses["pytorch"], losses["ortmodule"])
+    first_call_s = contenders["ortmodule"].first_call_s
+    pt_first_s = contenders["pytorch"].first_call_s
+    print(f"ORTModule first call: {first_call_s:.2f} s (export, gradient graph, sessions, first forward); "
+          f"its first step {times['ortmodule'][0]:.2f} s; PyTorch first forward {pt_first_s:.3f} s")
+    print(f"loss: step 0 pytorch {losses['pytorch'][0]:.6f}, ortmodule {losses['ortmodule'][0]:.6f}; "
+          f"last pytorch {losses['pytorch'][-1]:.6f}, ortmodule {losses['ortmodule'][-1]:.6f}")
+    head = f"{'pytorch ms':>11}{'ortmodule ms':>14}{'ratio':>8}{'loss rel':>11}"
+    print(head)
+    print("-" * len(head))
+    print(f"{pt_ms:>11.2f}{ort_ms:>14.2f}{ort_ms / pt_ms:>8.2f}{rel:>11.1e}")
+    if not rel <= bt.LOSS_TOLERANCE:
+        print(f"!!!!! WARNING: the ORTModule loss curve departs from PyTorch's (max rel diff {rel:.2e} at step "
+              f"{rel_step} > {bt.LOSS_TOLERANCE:g}) !!!!!")
+
+    results = {"pytorch_ms": pt_ms, "ortmodule_ms": ort_ms, "ratio": ort_ms / pt_ms,
+               "ortmodule_first_call_s": first_call_s, "ortmodule_first_step_s": times["ortmodule"][0],
+               "pytorch_first_call_s": pt_first_s, "loss_max_rel_diff": rel, "loss_max_rel_diff_step": rel_step,
+               "losses": losses, "times_s": times}
+    if args.json:
+        settings = {k: getattr(args, k) for k in ("device", "threads", "steps", "warmup", "rounds", "seq", "batch")}
+        settings.update(torch=torch.__version__, onnxruntime=ort.__version__)
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings, "results": results}, f, indent=1)
+        print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
