@@ -121,25 +121,17 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> S
     graph.outputs.extend(model_outputs + named)
     remove_unused_nodes(m)
 
-    # The boundary: what backward nodes read from the forward side.
-    nodes = list(graph)
-    is_forward = [id(n) in forward_ids for n in nodes]
+    # The boundary: what backward nodes read from the forward side. Constants and views
+    # (Reshape, Squeeze, ...) are copied into the backward rather than saved: saving a view
+    # makes onnxruntime copy it, and the backward can make it again from its source for free.
     outputs_set = {v.name for v in model_outputs}
     seed_set = set(seeds.values())
-    saved: dict[str, ir.Value] = {}
-    forward_inputs_read: dict[str, None] = {}
-    for node, fwd in zip(nodes, is_forward):
-        if fwd:
-            continue
-        for v in node_inputs(node):
-            if v is None or v in seed_set or v.is_initializer():
-                continue
-            producer = v.producer()
-            if producer is None:
-                if v.is_graph_input():
-                    forward_inputs_read[v.name] = None
-            elif id(producer) in forward_ids and v.name not in outputs_set:
-                saved[v.name] = v
+    while True:
+        saved, forward_inputs_read = _boundary(graph, forward_ids, outputs_set, seed_set)
+        if not _copy_views_into_backward(graph, forward_ids, saved, e.unique):
+            break
+    nodes = list(graph)
+    is_forward = [id(n) in forward_ids for n in nodes]
     for g in named:  # a gradient that is a forward value (Identity of an input, ...)
         producer = g.producer()
         if producer is not None and id(producer) in forward_ids:
@@ -166,6 +158,56 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> S
         seeds=seed_names, gradients=gradients, forward_inputs=[i.name for i in fw.graph.input],
         backward_inputs=[i.name for i in bw.graph.input],
     )
+
+
+def _boundary(graph: ir.Graph, forward_ids: set[int], outputs: set[str], seeds: set[ir.Value]):
+    """The forward values backward nodes read (saved, by name) and the graph inputs they read."""
+    saved: dict[str, ir.Value] = {}
+    inputs_read: dict[str, None] = {}
+    for node in graph:
+        if id(node) in forward_ids:
+            continue
+        for v in node_inputs(node):
+            if v is None or v in seeds or v.is_initializer():
+                continue
+            producer = v.producer()
+            if producer is None:
+                if v.is_graph_input():
+                    inputs_read[v.name] = None
+            elif id(producer) in forward_ids and v.name not in outputs:
+                saved[v.name] = v
+    return saved, inputs_read
+
+
+_VIEWS = frozenset({"Constant", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def _copy_views_into_backward(graph: ir.Graph, forward_ids: set[int], saved: dict[str, ir.Value], unique) -> bool:
+    """For each saved value made by a Constant or a view node, a copy of that node placed
+    before its first backward reader, which the backward readers read instead. True if any."""
+    changed = False
+    for v in saved.values():
+        node = v.producer()
+        if node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            continue
+        readers = [(user, i) for user, i in v.uses() if id(user) not in forward_ids]
+        if not readers:
+            continue
+        first = min((user for user, _ in readers), key=_position(graph))
+        copy = ir.Node(node.domain, node.op_type, list(node.inputs), attributes=list(node.attributes.values()),
+                       name=unique(f"{node.name or node.op_type}_in_backward"), version=node.version)
+        copy.outputs[0].name = unique(f"{v.name}_in_backward")
+        copy.outputs[0].type, copy.outputs[0].shape = v.type, v.shape
+        graph.insert_before(first, copy)
+        for user, i in readers:
+            user.replace_input_with(i, copy.outputs[0])
+        changed = True
+    return changed
+
+
+def _position(graph: ir.Graph):
+    order = {id(n): i for i, n in enumerate(graph)}
+    return lambda node: order[id(node)]
 
 
 def _reads(nodes, name: str) -> bool:

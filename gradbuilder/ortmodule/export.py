@@ -157,12 +157,57 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat) -> Exported:
     model.graph.input.extend(inputs)
     running, counters = _running_stats(model, fed, module)
     stops = _embedding_padding(model, fed, module)
+    _drop_zero_dropouts(model)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    fixed = _fixed_sizes(model, {d for t in tensors for d in t.shape if d > 1})
+    if fixed:  # the graph serves these sizes only: say so, and the gradient graph is static
+        for i in model.graph.input:
+            if i.name in names:
+                for dim, size in zip(i.type.tensor_type.shape.dim, tensors[names.index(i.name)].shape):
+                    dim.Clear()
+                    dim.dim_value = size
+        del model.graph.value_info[:]  # the tracer's symbolic shapes: inferred again from the inputs
     return Exported(model=model, inputs={n: names.index(n) for n in names if n in {i.name for i in inputs}},
                     state=fed, outputs=[o.name for o in model.graph.output if not o.name.startswith(RUNNING)],
                     out_spec=flat.out_spec, out_leaves=flat.out_leaves, running=running, batch_counters=counters,
-                    fixed_sizes=_fixed_sizes(model, {d for t in tensors for d in t.shape if d > 1}),
-                    stop_gradients=stops)
+                    fixed_sizes=fixed, stop_gradients=stops)
+
+
+def _drop_zero_dropouts(model: onnx.ModelProto) -> None:
+    """A training-mode Dropout with a constant ratio of 0 (``nn.Dropout(0.0)``, HF configs with
+    dropout off) is the identity: its readers read its input instead, so that no mask is drawn,
+    saved or read."""
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in model.graph.node
+           for a in n.attribute):
+        return  # subgraphs could read a Dropout's output by name
+    constant = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
+                if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    constant.update({t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer})
+    read = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output}
+    dropped: dict[str, str] = {}  # output -> input
+    for node in model.graph.node:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        ratio = constant.get(node.input[1])
+        if ratio is None or ratio.size != 1 or float(ratio) != 0.0 or any(o in read for o in node.output[1:]):
+            continue
+        dropped[node.output[0]] = node.input[0]
+    if not dropped:
+        return
+    outputs = {o.name for o in model.graph.output}
+    kept = []
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and node.output[0] in dropped:
+            if node.output[0] in outputs:  # a graph output keeps its name
+                kept.append(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            continue
+        for i, x in enumerate(node.input):
+            while x in dropped:
+                x = dropped[x]
+            node.input[i] = x
+        kept.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
 
 
 def _embedding_padding(model: onnx.ModelProto, fed: dict[str, str], module) -> list[str]:

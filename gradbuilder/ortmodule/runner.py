@@ -15,6 +15,9 @@ from .export import Exported
 from .options import DebugOptions, logger
 
 
+_SPINNING = "session.intra_op.allow_spinning"
+
+
 def to_ort(t: torch.Tensor) -> ort.OrtValue:
     return ort.OrtValue.from_dlpack(t.detach().contiguous())
 
@@ -43,6 +46,13 @@ class Compiled:
         self.device = device
         providers, options, self.ort_device = _providers_for(device)
         so = _providers.options_with(session_options, log_severity_level=int(debug.log_level))
+        try:
+            so.get_session_config_entry(_SPINNING)
+        except Exception:  # not set by the user
+            # The forward and backward sessions and PyTorch take turns on the same cores: a
+            # pool still spinning after its run slows the next one down (the benchmark
+            # transformer's forward + backward took 1.5x as long).
+            so.add_session_config_entry(_SPINNING, "0")
         self.split: SplitGraphs | None = None
         if wrt:
             self.split = build_split(exported.model, wrt, outputs=self._float_outputs(),
