@@ -3,9 +3,8 @@ with their loss inside; gradients of every parameter against torch autograd."""
 
 import pytest
 import torch
-import transformers
 
-from .torch_models import compare_with_torch
+from .torch_models import compare_with_torch, tiny_bert, tiny_gpt2
 
 
 class WithLoss(torch.nn.Module):
@@ -18,16 +17,11 @@ class WithLoss(torch.nn.Module):
 
 
 def bert():
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=48, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, num_labels=3)
-    return transformers.BertForSequenceClassification(cfg)
+    return tiny_bert(vocab=64, positions=16, labels=3, intermediate=48)
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(vocab=64, positions=16)
 
 
 EXPORTERS = [pytest.param(False, 17, id="torchscript-17"), pytest.param(True, 18, id="dynamo-18")]

@@ -16,6 +16,8 @@ import transformers
 from gradbuilder.errors import InvalidArgumentError, UnsupportedOpError
 from gradbuilder.ortmodule import DebugOptions, ExportError, LogLevel, ORTModule
 
+from .torch_models import tiny_bert, tiny_gpt2
+
 
 RTOL = 1e-4
 
@@ -51,16 +53,11 @@ class Encoder(torch.nn.Module):
 
 
 def bert():
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, num_labels=5)
-    return transformers.BertForSequenceClassification(cfg)
+    return tiny_bert(vocab=100, positions=64, labels=5, intermediate=64)
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(vocab=100, positions=64, use_cache=False)
 
 
 def _ids(batch, seq, rng):
@@ -242,37 +239,39 @@ class Structured(torch.nn.Module):
 
     def forward(self, inputs, scale=2.0, tag="a"):
         h = self.lin(inputs["x"]) * scale
-        return {"h": h, "pair": (h.argmax(dim=-1), inputs["y"] + 1), "tag": tag}
+        return {"h": h, "pair": (h.argmax(dim=-1), inputs["y"] + 1), "tag": tag, "other": torch.tanh(h)}
 
 
-def test_nested_inputs_and_outputs():
+@pytest.fixture
+def structured():
+    """(reference, ORTModule of a copy, inputs)."""
     _quiet()
     torch.manual_seed(0)
     ref = Structured()
-    om = ORTModule(copy.deepcopy(ref))
-    inputs = {"x": torch.randn(5, 4), "y": torch.arange(5)}
+    return ref, ORTModule(copy.deepcopy(ref)), {"x": torch.randn(5, 4), "y": torch.arange(5)}
+
+
+def test_nested_inputs_and_outputs(structured):
+    ref, om, inputs = structured
     a, b = ref(inputs, scale=3.0, tag="b"), om(inputs, scale=3.0, tag="b")
     assert b["tag"] == "b"
     torch.testing.assert_close(b["h"], a["h"])
     assert b["pair"][0].dtype == torch.int64 and not b["pair"][0].requires_grad
     torch.testing.assert_close(b["pair"][1], a["pair"][1])
-    b["h"].sum().backward()
-    a["h"].sum().backward()
+    (b["h"].sum() + b["other"].sum()).backward()
+    (a["h"].sum() + a["other"].sum()).backward()
     torch.testing.assert_close(om.module.lin.weight.grad, ref.lin.weight.grad)
     om(inputs, scale=2.0)
     assert om.exports == 2  # a non-tensor argument is part of the signature
 
 
-def test_output_not_used_in_the_loss_gets_zero_gradient():
-    _quiet()
-    torch.manual_seed(0)
-    ref = Structured()
-    om = ORTModule(copy.deepcopy(ref))
-    inputs = {"x": torch.randn(5, 4), "y": torch.arange(5)}
-    om(inputs)["pair"][1].float().sum()  # an integer output: no gradient
-    out = om(inputs)
-    (out["h"] * 0).sum().backward()
-    assert torch.count_nonzero(om.module.lin.weight.grad) == 0
+def test_output_not_in_the_loss(structured):
+    """The backward gets zeros for an output the loss does not use."""
+    ref, om, inputs = structured
+    om(inputs)["other"].pow(2).sum().backward()
+    ref(inputs)["other"].pow(2).sum().backward()
+    torch.testing.assert_close(om.module.lin.weight.grad, ref.lin.weight.grad)
+    assert torch.count_nonzero(om.module.lin.weight.grad) > 0
 
 
 def test_debug_options_save_onnx_and_log_level(tmp_path, caplog):
@@ -417,3 +416,15 @@ def test_embedding_padding_row_gets_no_gradient_through_the_lookup():
     grad = om.module.emb.weight.grad
     torch.testing.assert_close(grad, ref.emb.weight.grad, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(grad[0]) > 0  # the output layer's share of row 0 stays
+
+
+def test_tensors_cross_without_copies():
+    from gradbuilder.ortmodule.runner import to_ort, to_torch
+
+    t = torch.randn(3, 4)
+    v = to_ort(t)
+    assert v.data_ptr() == t.data_ptr() and v.shape() == [3, 4]
+    back = to_torch(v)
+    assert back.data_ptr() == t.data_ptr()
+    mask = to_torch(to_ort(torch.tensor([True, False])))
+    assert mask.dtype == torch.bool and mask.tolist() == [True, False]

@@ -81,3 +81,22 @@ def compare_with_torch(module: torch.nn.Module, args: tuple, input_names: list[s
     bad = {k: v for k, v in errors.items() if v > rtol}
     assert not bad, f"gradients differ from torch autograd (relative error > {rtol}): {bad}"
     return errors
+
+
+def tiny_bert(vocab: int, positions: int, labels: int, intermediate: int):
+    """A randomly initialised 2-layer BERT classifier (hidden 32, 4 heads), dropout off."""
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=intermediate, max_position_embeddings=positions,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=labels)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def tiny_gpt2(vocab: int, positions: int, **config):
+    """A randomly initialised 2-layer GPT-2 LM (embedding 32, 4 heads, tied), dropout off."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config)
+    return transformers.GPT2LMHeadModel(cfg)

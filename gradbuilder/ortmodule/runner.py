@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import onnx
 import onnxruntime as ort
+import onnxruntime.capi._pybind_state as _C
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -19,7 +20,10 @@ _SPINNING = "session.intra_op.allow_spinning"
 
 
 def to_ort(t: torch.Tensor) -> ort.OrtValue:
-    return ort.OrtValue.from_dlpack(t.detach().contiguous())
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:  # onnxruntime reads DLPack booleans as bytes flagged boolean
+        return ort.OrtValue(_C.OrtValue.from_dlpack(t.view(torch.uint8).__dlpack__(), True))
+    return ort.OrtValue.from_dlpack(t)
 
 
 def to_torch(v: ort.OrtValue) -> torch.Tensor:
@@ -32,7 +36,11 @@ def to_torch(v: ort.OrtValue) -> torch.Tensor:
 def _providers_for(device: torch.device):
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"], [{"device_id": str(index)}, {}], ("cuda", index)
+        # onnxruntime works on PyTorch's current stream, so that each sees the other's writes
+        # in order without a synchronization.
+        stream = torch.cuda.current_stream(index).cuda_stream
+        options = {"device_id": str(index), "has_user_compute_stream": "1", "user_compute_stream": str(stream)}
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"], [options, {}], ("cuda", index)
     return ["CPUExecutionProvider"], [{}], ("cpu", 0)
 
 
