@@ -428,3 +428,43 @@ def test_tensors_cross_without_copies():
     assert back.data_ptr() == t.data_ptr()
     mask = to_torch(to_ort(torch.tensor([True, False])))
     assert mask.dtype == torch.bool and mask.tolist() == [True, False]
+
+
+class SizeAsNumber(torch.nn.Module):
+    """Drops the last row, with the row count read as a Python number: traced, it is a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x[: int(x.shape[0]) - 1])
+
+
+def test_sizes_read_as_numbers_compile_per_shape():
+    _quiet()
+    torch.manual_seed(0)
+    ref = SizeAsNumber()
+    om = ORTModule(copy.deepcopy(ref))
+    for rows in (3, 5, 3, 6):
+        x = torch.randn(rows, 4)
+        out = om(x)
+        assert out.shape == (rows - 1, 4)
+        torch.testing.assert_close(out, ref(x))
+    assert om.exports == 3
+
+
+def test_a_fixed_size_the_checks_miss_recompiles_when_onnxruntime_fails(monkeypatch):
+    """torch's MultiheadAttention reshapes with the traced sequence length: with the constant
+    check switched off, onnxruntime fails on another length, and the call compiles for it."""
+    import gradbuilder.ortmodule.export as export_module
+
+    _quiet()
+    monkeypatch.setattr(export_module, "_fixed_sizes", lambda model, sizes: None)
+    torch.manual_seed(0)
+    ref = Encoder()
+    om = ORTModule(copy.deepcopy(ref))
+    for seq in (5, 7):
+        x = torch.randn(3, seq, 32)
+        torch.testing.assert_close(om(x), ref(x), rtol=1e-4, atol=1e-5)
+    assert om.exports == 2

@@ -47,6 +47,7 @@ class Exported:
     batch_counters: list[str]  # num_batches_tracked buffers to increment each training call
     fixed_sizes: str | None = None  # why the graph holds only for the traced input sizes
     stop_gradients: list[str] = dataclasses.field(default_factory=list)  # values no gradient flows through
+    shapes: tuple = ()  # the traced call's tensor shapes
 
 
 class _Flat(torch.nn.Module):
@@ -73,6 +74,7 @@ class _Flat(torch.nn.Module):
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _CONTROL_FLOW = re.compile(r"Converting a tensor to a Python (boolean|number|index|integer|float|list)")
+_TO_NUMBER = re.compile(r"Converting a tensor to a Python (number|index|integer|list)")
 
 
 def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False) -> Exported:
@@ -92,8 +94,18 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False) -
                 "the graph traced for other input values differs, so no single exported graph computes it. Make the "
                 "branch depend on shapes or module attributes only (or use torch.where), or pass fallback=True to "
                 "ORTModule to run the module in PyTorch")
+    # A size turned into a Python number becomes a constant: where any code did that, trace
+    # again with one more row (and, for integer inputs such as token ids, one more column).
+    sized = None
+    if any(issubclass(w.category, torch.jit.TracerWarning) and _TO_NUMBER.search(str(w.message)) for w in caught):
+        try:
+            other, _, _ = _trace(module, [_other_sizes(x) for x in leaves], spec, False)
+        except ExportError:
+            other = None  # the module takes no other sizes: nothing to compare
+        if other is not None and _structure(other) != _structure(data):
+            sized = "a graph traced with other input sizes differs"
     model = onnx.load_from_string(data)
-    return _exported(model, module, leaves, flat)
+    return _exported(model, module, leaves, flat, sized)
 
 
 def _trace(module, leaves, spec, verbose: bool):
@@ -131,6 +143,16 @@ def _other_values(x):
     return x.flatten().flip(0).reshape(x.shape).clone()
 
 
+def _other_sizes(x):
+    """One more row (the last repeated), and one more column for integer and boolean tensors."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0:
+        return x
+    x = torch.cat([x, x[-1:]], dim=0)
+    if x.dim() >= 2 and x.shape[1] > 0 and not (x.is_floating_point() or x.is_complex()):
+        x = torch.cat([x, x[:, -1:]], dim=1)
+    return x.detach()
+
+
 def _structure(data: bytes) -> list[bytes]:
     """The graph's operators with their attributes and constants, without names or order
     (both may change between two traces of the same code)."""
@@ -143,7 +165,7 @@ def _structure(data: bytes) -> list[bytes]:
     return sorted(parts)
 
 
-def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat) -> Exported:
+def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat, sized: str | None) -> Exported:
     """Parameters and buffers as inputs without initializers; the running statistics."""
     names = [f"input_{i}" for i in range(sum(isinstance(x, torch.Tensor) for x in leaves))]
     state = _state_names(module)
@@ -159,7 +181,7 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat) -> Exported:
     stops = _embedding_padding(model, fed, module)
     _drop_zero_dropouts(model)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    fixed = _fixed_sizes(model, {d for t in tensors for d in t.shape if d > 1})
+    fixed = sized or _fixed_sizes(model, {d for t in tensors for d in t.shape if d > 1})
     if fixed:  # the graph serves these sizes only: say so, and the gradient graph is static
         for i in model.graph.input:
             if i.name in names:
@@ -170,7 +192,7 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat) -> Exported:
     return Exported(model=model, inputs={n: names.index(n) for n in names if n in {i.name for i in inputs}},
                     state=fed, outputs=[o.name for o in model.graph.output if not o.name.startswith(RUNNING)],
                     out_spec=flat.out_spec, out_leaves=flat.out_leaves, running=running, batch_counters=counters,
-                    fixed_sizes=fixed, stop_gradients=stops)
+                    fixed_sizes=fixed, stop_gradients=stops, shapes=tuple(tuple(t.shape) for t in tensors))
 
 
 def _drop_zero_dropouts(model: onnx.ModelProto) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import onnxruntime as ort
 import torch
 import torch.utils._pytree as pytree
 
@@ -12,6 +13,9 @@ from ..errors import GradBuilderError, InvalidArgumentError
 from .export import ExportError, export
 from .options import DebugOptions, logger
 from .runner import Compiled, ORTFunction
+
+_S = ort.capi.onnxruntime_pybind11_state
+_OrtFail = (RuntimeError, _S.Fail, _S.InvalidArgument, _S.RuntimeException)  # a failed onnxruntime run
 
 
 class ORTModule(torch.nn.Module):
@@ -65,22 +69,37 @@ class ORTModule(torch.nn.Module):
             any(p.requires_grad for p in params.values())
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
         key = _signature(leaves, spec, self.module.training, needs_grad, params, device)
+        shapes = _shapes(leaves)
         compiled = self._compiled.get(key)
         if isinstance(compiled, dict):  # a graph per input shape (see below)
-            compiled = compiled.get(_shapes(leaves))
+            compiled = compiled.get(shapes)
         if compiled is None:
             compiled = self._compile(leaves, spec, params, needs_grad, device)
             if compiled != "fallback" and compiled.exported.fixed_sizes:
-                if key not in self._compiled:
-                    logger.info("ORTModule: the exported graph of %s holds only for the traced input sizes (%s); "
-                                "it is exported again for each new input shape", type(self.module).__name__,
-                                compiled.exported.fixed_sizes)
-                self._compiled.setdefault(key, {})[_shapes(leaves)] = compiled
+                self._per_shape(key, compiled.exported.fixed_sizes)[shapes] = compiled
             else:
                 self._compiled[key] = compiled
         if compiled == "fallback":
             return self.module(*args, **kwargs)
-        return self._call(compiled, leaves, params, buffers)
+        try:
+            return self._call(compiled, leaves, params, buffers)
+        except _OrtFail as exc:
+            if compiled.exported.shapes == shapes:
+                raise
+            # The graph fixed a size our check did not see: compile for this shape and retry.
+            self._per_shape(key, f"onnxruntime failed on input shapes {list(shapes)} with the graph traced for "
+                                 f"{list(compiled.exported.shapes)}: {str(exc).splitlines()[0][:300]}")
+            return self.forward(*args, **kwargs)
+
+    def _per_shape(self, key, why: str) -> dict:
+        """Make the signature ``key`` compile once per input shape; its graphs so far stay with the
+        shape they were traced for."""
+        entry = self._compiled.get(key)
+        if not isinstance(entry, dict):
+            logger.info("ORTModule: the exported graph of %s holds only for the traced input sizes (%s); it is "
+                        "exported again for each new input shape", type(self.module).__name__, why)
+            self._compiled[key] = {} if entry is None else {entry.exported.shapes: entry}
+        return self._compiled[key]
 
     def _compile(self, leaves, spec, params, needs_grad, device):
         number = self._exports
