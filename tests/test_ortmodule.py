@@ -468,3 +468,19 @@ def test_a_fixed_size_the_checks_miss_recompiles_when_onnxruntime_fails(monkeypa
         x = torch.randn(3, seq, 32)
         torch.testing.assert_close(om(x), ref(x), rtol=1e-4, atol=1e-5)
     assert om.exports == 2
+
+
+def test_backward_hook_on_the_ortmodule():
+    _quiet()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    om = ORTModule(copy.deepcopy(ref))
+    seen = {}
+    om.register_full_backward_hook(lambda mod, gin, gout: seen.update(gin=gin[0].clone(), gout=gout[0].clone()))
+    x = torch.randn(2, 4, requires_grad=True)
+    om(x).pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    out = ref(x_ref)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(seen["gin"], x_ref.grad)
+    torch.testing.assert_close(seen["gout"], 2 * out.detach())
