@@ -231,7 +231,15 @@ def _node_reads(node: onnx.NodeProto) -> set[str]:
 
 def _part(full: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.ModelProto:
     """A model of ``nodes`` from ``full`` with the given inputs and outputs and the
-    initializers the nodes read."""
+    initializers the nodes read; nodes whose outputs nothing reads are left out (a view now
+    made again in the backward)."""
+    needed = {o.name for o in outputs}
+    kept = []
+    for n in reversed(list(nodes)):
+        if any(o in needed for o in n.output):
+            kept.append(n)
+            needed |= _node_reads(n)
+    nodes = kept[::-1]
     read: set[str] = set()
     for n in nodes:
         read |= _node_reads(n)

@@ -30,7 +30,7 @@ class ORTModule(torch.nn.Module):
     backward graph (see ``gradbuilder.split``); later calls with that signature reuse them,
     whatever their batch and sequence sizes. Parameters and buffers stay the wrapped module's
     own tensors: ``parameters()``, ``state_dict()``, ``load_state_dict()``, ``to()``, optimizers and
-    schedulers work on them unchanged. Forward hooks on the ORTModule itself run; hooks on
+    schedulers work on them unchanged. Forward and backward hooks on the ORTModule itself run; hooks on
     inner modules do not (their code runs in onnxruntime).
 
     ``fallback=True`` runs the module in PyTorch, with a warning, for a signature whose export or
