@@ -128,9 +128,7 @@ def parse_args(argv=None):
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--warmup, --steps, --rounds and --threads must be >= 1")
     args.rounds = min(args.rounds, args.steps)
-    if args.device == "cuda":
-        if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
-            ap.error("--device cuda needs torch with CUDA and onnxruntime's CUDAExecutionProvider")
+    bt.check_device(ap, args.device)
     return args
 
 

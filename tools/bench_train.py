@@ -189,6 +189,13 @@ def trainable_elements(onnx_bytes: bytes) -> int:
 
 
 # ---------------------------------------------------------------------------- helpers
+def check_device(ap: argparse.ArgumentParser, device: str) -> None:
+    """Refuse ``--device cuda`` (through ``ap.error``) where torch or onnxruntime lacks CUDA."""
+    if device == "cuda":
+        if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
+            ap.error("--device cuda needs torch with CUDA and onnxruntime's CUDAExecutionProvider")
+
+
 def session_options(threads: int, profile: bool = False) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -551,9 +558,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.rounds < 1 or args.steps < args.rounds:
         ap.error("--warmup and --rounds must be >= 1 and --steps >= --rounds")
-    if args.device == "cuda":
-        if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
-            ap.error("--device cuda needs torch with CUDA and onnxruntime's CUDAExecutionProvider")
+    check_device(ap, args.device)
     return args
 
 
