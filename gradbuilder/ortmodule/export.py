@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import GradBuilderError
+from .options import logger
 
 OPSET = 17
 RUNNING = "running/"
@@ -85,9 +86,15 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False) -
     # other values of the same shapes: a branch on values shows as a different graph.
     sites = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)
              and _CONTROL_FLOW.search(str(w.message)) and not os.path.abspath(w.filename).startswith(_TORCH_DIR)]
+    for w in caught:
+        logger.debug("ORTModule: export of %s: %s: %s (%s:%d)", what, w.category.__name__, w.message, w.filename,
+                     w.lineno)
     if sites:
-        other, _, _ = _trace(module, [_other_values(x) for x in leaves], spec, False)
-        if _structure(other) != _structure(data):
+        try:
+            other, _, _ = _trace(module, [_other_values(x) for x in leaves], spec, False)
+        except ExportError:
+            other = None  # the module takes no such values: nothing to compare
+        if other is not None and _structure(other) != _structure(data):
             where = "; ".join(sorted({f"{w.filename}:{w.lineno}" for w in sites}))
             raise ExportError(
                 f"{what} uses Python control flow on tensor values ({where}: {_first_lines(str(sites[0].message), 1)}): "
