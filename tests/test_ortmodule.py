@@ -484,3 +484,16 @@ def test_backward_hook_on_the_ortmodule():
     out.pow(2).sum().backward()
     torch.testing.assert_close(seen["gin"], x_ref.grad)
     torch.testing.assert_close(seen["gout"], 2 * out.detach())
+
+
+def test_dropout_gradient_uses_the_mask_drawn_in_the_forward():
+    """onnxruntime draws its own dropout mask; the backward reads that mask."""
+    _quiet()
+    om = ORTModule(torch.nn.Dropout(0.5)).train()
+    x = (torch.rand(64, 32) + 0.5).requires_grad_()
+    y = om(x)
+    kept = y != 0
+    assert 0.3 < kept.float().mean().item() < 0.7
+    torch.testing.assert_close(y[kept], x.detach()[kept] * 2)
+    (y * 3).sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() * 6)
