@@ -150,7 +150,8 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> S
     forward_graph_inputs = [i for i in full.graph.input if i.name not in seed_names]
     fw = _part(full, fw_nodes, forward_graph_inputs, out_infos + saved_infos, "forward")
     read_inputs = [i for i in forward_graph_inputs if i.name in forward_inputs_read]
-    outputs_read = [i for i in out_infos if _reads(bw_nodes, i.name) or i.name in {g.name for g in grad_infos}]
+    bw_reads = set().union(*(_node_reads(n) for n in bw_nodes)) | {g.name for g in grad_infos}
+    outputs_read = [i for i in out_infos if i.name in bw_reads]
     bw_inputs = seed_inputs + outputs_read + saved_infos + read_inputs
     bw = _part(full, bw_nodes, bw_inputs, grad_infos, "backward")
     return SplitGraphs(
@@ -186,6 +187,7 @@ def _copy_views_into_backward(graph: ir.Graph, forward_ids: set[int], saved: dic
     """For each saved value made by a Constant or a view node, a copy of that node placed
     before its first backward reader, which the backward readers read instead. True if any."""
     changed = False
+    position = {id(n): i for i, n in enumerate(graph)}
     for v in saved.values():
         node = v.producer()
         if node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
@@ -193,25 +195,17 @@ def _copy_views_into_backward(graph: ir.Graph, forward_ids: set[int], saved: dic
         readers = [(user, i) for user, i in v.uses() if id(user) not in forward_ids]
         if not readers:
             continue
-        first = min((user for user, _ in readers), key=_position(graph))
+        first = min((user for user, _ in readers), key=lambda user: position[id(user)])
         copy = ir.Node(node.domain, node.op_type, list(node.inputs), attributes=list(node.attributes.values()),
                        name=unique(f"{node.name or node.op_type}_in_backward"), version=node.version)
         copy.outputs[0].name = unique(f"{v.name}_in_backward")
         copy.outputs[0].type, copy.outputs[0].shape = v.type, v.shape
         graph.insert_before(first, copy)
+        position[id(copy)] = position[id(first)] - 0.5  # it may read a view copied next
         for user, i in readers:
             user.replace_input_with(i, copy.outputs[0])
         changed = True
     return changed
-
-
-def _position(graph: ir.Graph):
-    order = {id(n): i for i, n in enumerate(graph)}
-    return lambda node: order[id(node)]
-
-
-def _reads(nodes, name: str) -> bool:
-    return any(name in _node_reads(n) for n in nodes)
 
 
 def _node_reads(node: onnx.NodeProto) -> set[str]:
@@ -233,18 +227,13 @@ def _part(full: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.Mode
     """A model of ``nodes`` from ``full`` with the given inputs and outputs and the
     initializers the nodes read; nodes whose outputs nothing reads are left out (a view now
     made again in the backward)."""
-    needed = {o.name for o in outputs}
+    needed = {o.name for o in outputs}  # then also every name a kept node reads
     kept = []
     for n in reversed(list(nodes)):
         if any(o in needed for o in n.output):
             kept.append(n)
             needed |= _node_reads(n)
-    nodes = kept[::-1]
-    read: set[str] = set()
-    for n in nodes:
-        read |= _node_reads(n)
-    graph = onnx.helper.make_graph(list(nodes), f"{full.graph.name}_{name}", list(inputs), list(outputs),
-                                   [t for t in full.graph.initializer if t.name in read])
-    out = onnx.helper.make_model(graph, opset_imports=list(full.opset_import), ir_version=full.ir_version,
-                                 producer_name="gradbuilder", functions=list(full.functions))
-    return out
+    graph = onnx.helper.make_graph(kept[::-1], f"{full.graph.name}_{name}", list(inputs), list(outputs),
+                                   [t for t in full.graph.initializer if t.name in needed])
+    return onnx.helper.make_model(graph, opset_imports=list(full.opset_import), ir_version=full.ir_version,
+                                  producer_name="gradbuilder", functions=list(full.functions))

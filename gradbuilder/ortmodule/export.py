@@ -400,9 +400,7 @@ def _running_stats(model: onnx.ModelProto, fed: dict[str, str], module) -> tuple
             running[out] = buf
             t = buffers[buf]
             model.graph.output.append(h.make_tensor_value_info(out, _onnx_dtype(t.dtype), list(t.shape)))
-        counter = fed[mean_in].rsplit(".", 1)[0] + ".num_batches_tracked"
-        if counter.endswith("running_mean.num_batches_tracked"):
-            counter = "num_batches_tracked"
+        counter = fed[mean_in].removesuffix("running_mean") + "num_batches_tracked"  # the same module's
         if counter in buffers:
             counters.append(counter)
     del model.graph.node[:]

@@ -110,8 +110,9 @@ class ORTModule(torch.nn.Module):
                 exported = export(self.module, leaves, spec, verbose=self._debug.log_level == 0)
             wrt = []
             if needs_grad:
+                tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
                 wrt = [n for n, i in exported.inputs.items()
-                       if leaves_tensor(leaves, i).requires_grad and leaves_tensor(leaves, i).is_floating_point()]
+                       if tensors[i].requires_grad and tensors[i].is_floating_point()]
                 wrt += [n for n, s in exported.state.items() if s in params and params[s].requires_grad]
             return Compiled(exported, wrt, device, self._debug, number, self._session_options)
         except GradBuilderError as exc:
@@ -176,10 +177,6 @@ class ORTModule(torch.nn.Module):
 
 _DATA_PARALLEL = ("ORTModule does not support torch.nn.DataParallel; use "
                   "torch.nn.parallel.DistributedDataParallel, wrapped around the ORTModule: DDP(ORTModule(model))")
-
-
-def leaves_tensor(leaves, i: int) -> torch.Tensor:
-    return [x for x in leaves if isinstance(x, torch.Tensor)][i]
 
 
 def _refuse_data_parallel(module: ORTModule) -> None:

@@ -5,12 +5,14 @@ DLPack views of the same memory, on CPU and CUDA alike."""
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import onnxruntime.capi._pybind_state as _C
 import torch
 from torch.autograd.function import once_differentiable
 
 from .. import providers as _providers
+from ..registry import FLOAT_TYPES
 from ..split import SplitGraphs, build_split
 from .export import Exported
 from .options import DebugOptions, logger
@@ -51,7 +53,6 @@ class Compiled:
     def __init__(self, exported: Exported, wrt: list[str], device: torch.device, debug: DebugOptions,
                  number: int, session_options: ort.SessionOptions | None = None):
         self.exported = exported
-        self.device = device
         providers, options, self.ort_device = _providers_for(device)
         so = _providers.options_with(session_options, log_severity_level=int(debug.log_level))
         try:
@@ -87,9 +88,8 @@ class Compiled:
                     number, len(self.forward_inputs), len(self.split.saved) if self.split else 0, backward is not None)
 
     def _float_outputs(self) -> list[str]:
-        floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
         types = {o.name: o.type.tensor_type.elem_type for o in self.exported.model.graph.output}
-        return [n for n in self.exported.outputs if types.get(n) in floats]
+        return [n for n in self.exported.outputs if types.get(n) and ir.DataType(types[n]) in FLOAT_TYPES]
 
     # ------------------------------------------------------------------ running
     def _run(self, session, feeds: dict[str, ort.OrtValue], outputs: list[str]) -> dict[str, ort.OrtValue]:
@@ -121,7 +121,6 @@ class ORTFunction(torch.autograd.Function):
         outs = [to_torch(results[n]) for n in ex.outputs] + [to_torch(results[n]) for n in ex.running]
         ctx.compiled, ctx.names = compiled, names
         ctx.feeds, ctx.results = feeds, results
-        ctx.output_dtypes = [o.dtype for o in outs]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()],
                                     *outs[len(ex.outputs):])
         return tuple(outs)
@@ -138,8 +137,7 @@ class ORTFunction(torch.autograd.Function):
         for seed, out in split.seeds.items():
             g = grads[index[out]]
             if g is None:
-                value = torch.utils.dlpack.from_dlpack(ctx.results[out]._ortvalue.to_dlpack())
-                g = torch.zeros_like(value)
+                g = torch.zeros_like(to_torch(ctx.results[out]))
             feeds[seed] = to_ort(g)
         results = compiled.backward(feeds)
         ctx.feeds = ctx.results = None  # free the saved activations
