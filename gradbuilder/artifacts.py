@@ -18,6 +18,7 @@ from . import modelio
 from .errors import InvalidArgumentError
 from .passes.cleanup import remove_unused_nodes
 from .passes.optimizer import initial_state
+from .passes.running_stats import buffers_of, inference_form
 from .training import optimizer_only_model
 
 
@@ -26,9 +27,10 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
     """Write ``model`` (forward graph: bytes, path or ModelProto, never modified) to
     ``output_path`` with the initializers in ``weights`` replaced by the given (trained)
     values and only ``output_names`` as outputs; nodes those outputs do not need are removed.
-    The write is atomic."""
-    proto = onnx.ModelProto()
-    proto.CopyFrom(modelio.load_proto(model))
+    The model is written in inference mode (``passes.running_stats.inference_form``:
+    BatchNormalization reads its running statistics, Dropout passes through), so each output
+    depends on its own sample only. The write is atomic."""
+    proto = inference_form(modelio.load_proto(model))
     inits = {t.name: t for t in proto.graph.initializer}
     for name, value in (weights or {}).items():
         if name not in inits:
@@ -85,11 +87,14 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     """Write the training artifacts of ``model`` into ``artifact_directory``, as onnxruntime's
     ``generate_artifacts`` does, every one loadable by stock onnxruntime:
 
-    - ``training_model.onnx``: forward + loss + gradients; outputs ``loss`` then ``W_grad``.
-    - ``eval_model.onnx``: forward + loss.
+    - ``training_model.onnx``: forward + loss + gradients; outputs ``loss`` then ``W_grad``,
+      then ``B.updated`` for each running statistic ``B`` (BatchNormalization buffers: inputs
+      of the model, in the checkpoint, updated by each training run, never trained).
+    - ``eval_model.onnx``: forward + loss, in inference mode (running statistics, no dropout).
     - ``optimizer_model.onnx``: inputs ``Learning_Rate``, ``Step``, every ``W``, ``W_grad`` and
       optimizer state ``W.<state>``; outputs ``W.updated``, ``W.<state>.updated``, ``Step.updated``.
-    - ``checkpoint.npz``: the weights, the initial optimizer states and ``Step`` (numpy's npz,
+    - ``checkpoint.npz``: the weights, the running statistics, the initial optimizer states and
+      ``Step`` (numpy's npz,
       read with ``numpy.load(path, allow_pickle=False)``: no pickled objects).
 
     ``loss`` appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to the output
@@ -111,13 +116,15 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
         loss_name = "loss"
     else:
         loss_name = proto.graph.output[0].name
-    weights = list(requires_grad) if requires_grad is not None else float_initializers(proto)
+    buffers = buffers_of(proto)
+    weights = list(requires_grad) if requires_grad is not None else [w for w in float_initializers(proto)
+                                                                       if w not in buffers]
     weights = [w for w in weights if w not in set(frozen_params)]
     options = resolve(optimizer, optimizer_options)
-    training = GradientGraphBuilder(proto, weights, [loss_name], loss_name).build()
+    training = GradientGraphBuilder(proto, weights, [loss_name], loss_name, running_statistics=True).build()
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     optimizer_model = optimizer_only_model({w: inits[w] for w in weights}, optimizer, options)
-    state = {"Step": np.array(0, np.int64)}
+    state = {"Step": np.array(0, np.int64), **{b: inits[b] for b in buffers}}
     for w in weights:
         state[w] = inits[w]
         for s, value in initial_state(optimizer, options, inits[w]).items():
@@ -130,7 +137,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     tmp = Path(tempfile.mkdtemp(prefix=".gradbuilder-", dir=directory))
     try:
         training.save(tmp / names["training_model.onnx"])
-        onnx.save(proto, tmp / names["eval_model.onnx"])
+        onnx.save(inference_form(proto), tmp / names["eval_model.onnx"])
         onnx.save(optimizer_model, tmp / names["optimizer_model.onnx"])
         np.savez(tmp / names["checkpoint.npz"], **state)
         written = {}

@@ -13,11 +13,13 @@ import onnx_ir as ir
 
 from . import modelio
 from .autodiff import differentiate
-from .errors import InvalidArgumentError, OutputError
+from .errors import InvalidArgumentError, InvalidModelError, OutputError
 from .passes.canonicalize import sequence_appends_as_scan_outputs, split_to_sequence_as_split
 from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
+from .passes import named_output
 from .passes.expose_masks import expose_dropout_masks
+from .passes.running_stats import expose_running_statistics
 from .passes.store_trips import store_loop_trips
 from .registry import FLOAT_TYPES, Emitter, dims_of
 
@@ -50,6 +52,7 @@ class GradientGraphBuilder:
         cast_propagation: tuple[int, Iterable[str]] = (1, ()),
         recompute=None,
         memory_efficient_gradient: bool = False,
+        running_statistics: bool = False,
     ):
         if weights is None or loss is None:
             raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
@@ -72,6 +75,8 @@ class GradientGraphBuilder:
         self.recompute = recompute  # a passes.recompute.RecomputeOptions, or None
         self.recompute_report = None
         self.memory_efficient_gradient = bool(memory_efficient_gradient)
+        self.running_statistics = bool(running_statistics)
+        self.buffers: list[str] = []
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
         self._result: modelio.DetachedModel | None = None
@@ -115,12 +120,14 @@ class GradientGraphBuilder:
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx")
         values = _values_by_name(graph)
         weights, outputs, loss = self._resolve(graph, values)
+        _require_ranks(graph.inputs, outputs)
         stops = frozenset(values[n] for n in self._names_exist(self.stop_gradients, values, "stop_gradients"))
 
         e = Emitter(graph, opset)
         split_to_sequence_as_split(graph, opset, e.unique)
         sequence_appends_as_scan_outputs(graph, e.unique)
         expose_dropout_masks(graph, e.unique)
+        buffers = self._expose_buffers(model, e, opset, weights) if self.running_statistics else []
         store_loop_trips(graph, weights, e.unique)
         if self.mixed_precision is not None:
             from .passes.mixed_precision import autocast
@@ -142,17 +149,40 @@ class GradientGraphBuilder:
             if w.is_initializer() and not w.is_graph_input():
                 graph.inputs.append(w)
         new_inputs, new_outputs = self._after_gradients(e, weights, dict(zip([w.name for w in weights], grad_outputs)))
+        buffer_outputs = [named_output(e, self._buffer_update(e, new, old), f"{old.name}.updated", old)
+                          for old, new in buffers]
         graph.inputs.extend(new_inputs)
         graph.outputs.clear()
-        graph.outputs.extend(outputs + (grad_outputs if self._gradients_as_outputs() else []) + new_outputs)
+        graph.outputs.extend(outputs + (grad_outputs if self._gradients_as_outputs() else []) + new_outputs
+                             + buffer_outputs)
         if self.recompute is not None:
             from .passes.recompute import apply_recompute
 
             self.recompute_report = apply_recompute(graph, forward, self.recompute, e.unique)
         remove_unused_nodes(model)
 
+    def _expose_buffers(self, model: ir.Model, e: Emitter, opset: int, weights) -> list[tuple[ir.Value, ir.Value]]:
+        """The running statistics (``passes.running_stats``) as (buffer, new value); each buffer
+        becomes a graph input (its initializer kept as the default), as the weights do."""
+        graph = model.graph
+        updates = expose_running_statistics(graph, e, opset, unbiased=model.producer_name == "pytorch")
+        self.buffers = [old.name for old, _ in updates]
+        trained = sorted({w.name for w in weights} & set(self.buffers))
+        if trained:
+            raise InvalidArgumentError(
+                f"{trained} are BatchNormalization running statistics: buffers the training step updates, "
+                "not weights to train; remove them from the weights")
+        for old, _ in updates:
+            if not old.is_graph_input():
+                graph.inputs.append(old)
+        return updates
+
     # Hooks for graphs built on the gradients (the training graph): extra graph inputs and
-    # outputs appended after the gradients, and whether the gradients stay outputs.
+    # outputs appended after the gradients, the new value of a buffer, and whether the
+    # gradients stay outputs.
+    def _buffer_update(self, e: Emitter, new: ir.Value, old: ir.Value) -> ir.Value:
+        return new
+
     def _after_gradients(self, e: Emitter, weights: list[ir.Value], grads: dict[str, ir.Value]):
         return [], []
 
@@ -238,6 +268,28 @@ class GradientGraphBuilder:
         """Write the built model atomically; tensors go to ``<path>.data`` over 2 GB."""
         self._built().save(path, external_data)
         return str(path)
+
+
+def _require_ranks(inputs, outputs) -> None:
+    """onnx.checker requires a shape (at least a rank) on every graph input and output, and the
+    written model must pass it: name the first tensor that has none and say what to declare."""
+    for v in inputs:
+        if isinstance(v.type, ir.TensorType) and v.shape is None:
+            raise InvalidModelError(
+                f"graph input '{v.name}' declares no shape, not even a rank; onnx.checker requires one on every "
+                "graph input and the written model must pass it. Declare its shape, with symbolic names "
+                "(e.g. 'batch') or unnamed dims for sizes that vary"
+            )
+    for v in outputs:
+        if isinstance(v.type, ir.TensorType) and v.shape is None:
+            producer = v.producer()
+            origin = (f" (computed by {producer.op_type} node '{producer.name}')" if producer is not None and producer.name
+                      else f" (computed by an unnamed {producer.op_type} node)" if producer is not None else "")
+            raise InvalidModelError(
+                f"output '{v.name}'{origin} has a rank onnx shape inference could not find; onnx.checker "
+                "requires a shape on every graph output and the written model must pass it. Declare its shape "
+                "(at least its rank) with a value_info entry, or leave it out of outputs"
+            )
 
 
 def _drop_inner_types(graph: ir.Graph) -> None:

@@ -56,7 +56,7 @@ def _cmd_train(args) -> int:
     import numpy as np
 
     from . import TrainingParameters, modelio
-    from .loop import accuracy, fit
+    from .loop import BATCHES_SEEN, accuracy, fit
     from .session import TrainingSession
 
     model = modelio.load_proto(args.model)
@@ -85,16 +85,28 @@ def _cmd_train(args) -> int:
     providers = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
                  "auto": None}[args.device]
     session = TrainingSession(model.SerializeToString(), params, providers=providers)
-    session.set_learning_rate(args.lr)
+    done = 0
     if args.resume:
         session.load_checkpoint(args.resume)
-        print(f"resumed from {args.resume} at step {session.step}")
-    if args.scheduler:
-        session.register_scheduler(args.scheduler, **_scheduler_args(args))
+        done = int(session.properties.get(BATCHES_SEEN, session.step * args.accumulation_steps))
+        ignored = [f"--{k.replace('_', '-')}" for k in _RESUMED if getattr(args, k) is not None]
+        print(f"resumed from {args.resume} at step {session.step} ({done} batches), learning rate "
+              f"{session.get_learning_rate():g}" + (f"; the checkpoint's learning rate, schedule and data order "
+                                                   f"continue, so {' '.join(ignored)} are ignored" if ignored else ""))
+    else:
+        session.set_learning_rate(args.lr if args.lr is not None else 1e-3)
+        if args.scheduler:
+            session.register_scheduler(args.scheduler, **_scheduler_args(args))
     print(f"training {args.model} on {session.get_providers()[0]}: {len(session.weights)} weights "
-          f"({session.get_parameters_size():,} values), {args.optimizer}, lr {args.lr}, batch {args.batch_size}")
-    losses = fit(session, data, args.steps, args.batch_size, seed=args.seed)
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {len(losses)} steps")
+          f"({session.get_parameters_size():,} values), {args.optimizer}, lr {session.get_learning_rate():g}, "
+          f"batch {args.batch_size}")
+    if done >= args.steps:
+        print(f"nothing to train: the checkpoint has seen {done} batches and --steps is {args.steps}")
+        losses = []
+    else:
+        losses = fit(session, data, args.steps - done, args.batch_size,
+                     seed=args.seed if args.seed is not None else 0)
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {done + len(losses)} steps")
     if args.checkpoint:
         session.save_checkpoint(args.checkpoint)
         print(f"wrote checkpoint {args.checkpoint}")
@@ -115,12 +127,17 @@ def _cmd_train(args) -> int:
     return 0
 
 
+# what a checkpoint decides when training resumes from it
+_RESUMED = ("lr", "scheduler", "warmup_steps", "step_size", "gamma", "seed")
+
+
 def _scheduler_args(args) -> dict:
+    """The schedule's options; it steps once per update (``--accumulation-steps`` batches)."""
     if args.scheduler == "step":
-        return {"step_size": args.step_size, "gamma": args.gamma}
-    kwargs = {"warmup_steps": args.warmup_steps}
+        return {"step_size": args.step_size or 100, "gamma": args.gamma if args.gamma is not None else 0.1}
+    kwargs = {"warmup_steps": args.warmup_steps or 0}
     if args.scheduler in ("linear", "cosine"):
-        kwargs["total_steps"] = args.steps
+        kwargs["total_steps"] = max(1, args.steps // args.accumulation_steps)
     return kwargs
 
 
@@ -179,22 +196,24 @@ def main(argv=None) -> int:
     p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
     p.add_argument("--target", default="target", help="with --loss: name of its target input (default target)")
     p.add_argument("--optimizer", default="adamw", help="sgd, adam, adamw, adagrad or lamb (default adamw)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="batches to train on in all, counting the checkpoint's with --resume (default 300)")
     p.add_argument("--batch-size", type=int, default=32, help="rows per step (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
     p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
     p.add_argument("--max-grad-norm", type=float, help="clip gradients to this global L2 norm")
     p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update (default 1)")
     p.add_argument("--scheduler", choices=["linear", "cosine", "constant_with_warmup", "step"],
                    help="learning-rate schedule")
-    p.add_argument("--warmup-steps", type=int, default=0, help="scheduler warm-up steps (default 0)")
-    p.add_argument("--step-size", type=int, default=100, help="step scheduler: steps per decay (default 100)")
-    p.add_argument("--gamma", type=float, default=0.1, help="step scheduler: decay factor (default 0.1)")
+    p.add_argument("--warmup-steps", type=int, help="scheduler warm-up updates (default 0)")
+    p.add_argument("--step-size", type=int, help="step scheduler: updates per decay (default 100)")
+    p.add_argument("--gamma", type=float, help="step scheduler: decay factor (default 0.1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when usable, else CPU (default)")
-    p.add_argument("--resume", help="checkpoint to start from")
+    p.add_argument("--resume", help="checkpoint to continue from: its weights, optimizer state, learning rate, "
+                                    "schedule and data order (--lr, --scheduler and its options, --seed are ignored)")
     p.add_argument("--checkpoint", help="write a checkpoint here at the end")
     p.add_argument("-o", "--output", help="write the trained model for inference here")
     p.add_argument("--keep", nargs="+", metavar="N", help="outputs of the inference model (default: all but the loss)")

@@ -39,3 +39,8 @@ class CheckpointError(GradBuilderError):
 
 class ProviderError(GradBuilderError):
     """An execution provider does not exist, cannot be loaded, or failed."""
+
+
+class NonFiniteError(GradBuilderError, FloatingPointError):
+    """A training step's loss or gradients hold an inf or NaN, and the session was asked to
+    raise (``TrainingParameters.on_nonfinite_step = "raise"``); the step changed nothing."""

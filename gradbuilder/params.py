@@ -11,10 +11,13 @@ type is not trained) and ``set_optimizer_initial_state`` (read back as
 and value rather than by name, its overlap with ``weights_to_train`` can only be found against a
 model and is not checked here.
 
-Three options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
+Four options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
 the default, or "bfloat16") picks the half type of ``use_mixed_precision``; ``memory_budget_mb``
 and ``memory_budget_fraction`` (of the activations the backward would hold) ask the recompute
-planner to fit the activations in a budget (0: none).
+planner to fit the activations in a budget (0: none); ``on_nonfinite_step`` says what a
+TrainingSession does with a step whose loss or gradients hold an inf or NaN (the graph always
+leaves the state as it was): "skip" (default) warns and counts it, "raise" raises
+``NonFiniteError``.
 
 Unlike ORT, every assignment is checked: types (a bool is not an int and an int is not a bool),
 ranges, contradictions, and options whose pass gradbuilder does not have yet (see
@@ -74,7 +77,7 @@ _ALSO_OFF: dict[str, tuple] = {}
 
 # gradbuilder's own options beyond onnxruntime-training's: the half-precision type of mixed
 # precision, and the activation-memory budget of the recompute planner (0: no budget).
-EXTENSIONS = ("mixed_precision_dtype", "memory_budget_mb", "memory_budget_fraction")
+EXTENSIONS = ("mixed_precision_dtype", "memory_budget_mb", "memory_budget_fraction", "on_nonfinite_step")
 
 # option -> (kind, ORT 1.19 default). Kinds are checked by _check below.
 OPTIONS = {
@@ -99,6 +102,7 @@ OPTIONS = {
     "model_with_training_graph_path": ("str", ""),
     "num_pipeline_micro_batches": ("count", 1),
     "number_recompute_layers": ("int", 0),
+    "on_nonfinite_step": ("str", "skip"),
     "optimizer_attributes_map": ("float_maps", {}),
     "optimizer_int_attributes_map": ("int_maps", {}),
     "pipeline_cut_info_string": ("str", ""),
@@ -293,6 +297,8 @@ class TrainingParameters:
             raise _fail(name, f"must be a finite number >= 0 (0 means dynamic loss scaling), got {v}")
         if name == "mixed_precision_dtype" and v not in ("float16", "bfloat16"):
             raise _fail(name, f"must be 'float16' or 'bfloat16', got {v!r}")
+        if name == "on_nonfinite_step" and v not in ("skip", "raise"):
+            raise _fail(name, f"must be 'skip' (skip the update with a warning and count it) or 'raise', got {v!r}")
         if name == "memory_budget_mb" and not (math.isfinite(v) and v >= 0):
             raise _fail(name, f"must be a finite number of MiB >= 0 (0: no budget), got {v}")
         if name == "memory_budget_fraction" and not 0 <= v < 1:

@@ -38,11 +38,11 @@ from onnx import numpy_helper
 
 from . import checkpoint, modelio, providers as _providers, schedulers
 from .builder import GradientGraphBuilder
-from .errors import CheckpointError, InvalidArgumentError, ProviderError
-from .passes import named_output, new_input
+from .errors import CheckpointError, InvalidArgumentError, NonFiniteError, ProviderError
+from .passes import guarded, named_output, new_input
 from .passes.accumulate import COUNTER
-from .passes.loss_scale import GOOD_STEPS, SCALE
-from .passes.optimizer import state_names
+from .passes.loss_scale import ALL_FINITE, GOOD_STEPS, SCALE, all_finite
+from .passes.running_stats import buffers_of, inference_form
 from .training import from_parameters, optimizer_only_model
 
 _NP_OF_ORT = {
@@ -58,14 +58,22 @@ _SHARED = ("Step", SCALE, GOOD_STEPS)  # state shared by every weight
 
 class _Gradients(GradientGraphBuilder):
     """Forward + backward; gradient of ``W`` as output ``W.grad_accum.updated``: the gradient
-    itself, or with ``accumulate`` the input buffer ``W.grad_accum`` plus the gradient."""
+    itself, or with ``accumulate`` the input buffer ``W.grad_accum`` plus the gradient. Running
+    statistics come out as ``B.updated``, kept only when the loss and gradients are finite."""
 
     def __init__(self, model, weights, outputs, loss, accumulate: bool, **options):
-        super().__init__(model, weights, outputs, loss, **options)
+        super().__init__(model, weights, outputs, loss, running_statistics=True, **options)
         self.accumulate = accumulate
+        self._loss = self._finite = None
+
+    def _loss_to_differentiate(self, e, loss):
+        self._loss = loss
+        return loss
 
     def _after_gradients(self, e, weights, grads):
         inputs, outputs = [], []
+        if self.buffers:
+            self._finite = all_finite(e, {**grads, self.loss: self._loss})
         for w in weights:
             g = grads[w.name]
             if self.accumulate:
@@ -74,6 +82,9 @@ class _Gradients(GradientGraphBuilder):
                 g = e.Add(buf, g)
             outputs.append(named_output(e, g, f"{w.name}.grad_accum.updated", w))
         return inputs, outputs
+
+    def _buffer_update(self, e, new, old):
+        return guarded(e, self._finite, new, old)
 
     def _gradients_as_outputs(self) -> bool:
         return False
@@ -119,23 +130,73 @@ class TrainingSession:
         self._scheduler = None
         self._reset_grads = True
         self._grads: dict[str, ort.OrtValue] = {}
+        self.skipped_steps = 0  # updates skipped because the loss or gradients were not finite
+        # the caller's values saved with each checkpoint (as onnxruntime's CheckpointState.properties)
+        self.properties: dict[str, int | float | str] = {}
+        self._on_nonfinite = self._params.on_nonfinite_step
         inits = {t.name: t for t in self._model.graph.initializer}
+        self.buffers = buffers_of(self._model)  # running statistics: updated by training, not trained
+        no_value = [b for b in self.buffers if b not in inits]
+        if no_value:
+            raise InvalidArgumentError(f"the running statistics {no_value} are graph inputs without an initializer; "
+                                       "give them initial values as initializers")
+        self._check_names()
         self._frozen = [t.name for t in self._model.graph.initializer if t.name not in self.weights
-                        and t.data_type in _FLOAT_TYPES]
+                        and t.name not in self.buffers and t.data_type in _FLOAT_TYPES]
         state = self._builder.initial_state()
-        state.update({w: numpy_helper.to_array(inits[w]) for w in self.weights})
+        state.update({w: numpy_helper.to_array(inits[w]) for w in self.weights + self.buffers})
         self._state = {name: self._ortvalue(value) for name, value in state.items()}
         self._fingerprint = _fingerprint(self.weights, state, self._optimizer)
-        _weights_as_inputs(self._model, self.weights)  # their values live in the state only
+        _weights_as_inputs(self._model, self.weights + self.buffers)  # their values live in the state only
 
     # ------------------------------------------------------------------ graphs and values
+    def _check_names(self) -> None:
+        """The loss is a value of the model; class-index inputs of the model's losses are
+        recorded, so that a label out of range is refused before a run (``_check_labels``)."""
+        graph = self._model.graph
+        values = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+        values |= {o for n in graph.node for o in n.output if o}
+        if self.loss_name not in values:
+            raise InvalidArgumentError(f"TrainingParameters.loss_output_name '{self.loss_name}' is not a value of the "
+                                       f"model; its outputs are {[o.name for o in graph.output]}")
+        self._labels: dict[str, tuple[int | None, int | None, str]] = {}
+        inputs = {i.name for i in graph.input}
+        losses = [n for n in graph.node if n.op_type in _CLASS_LOSSES and n.domain in ("", "ai.onnx")
+                  and len(n.input) > 1 and n.input[1] in inputs]
+        if not losses:
+            return
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self._model)
+        except Exception:  # noqa: BLE001 - no class count known: onnxruntime checks at run time
+            inferred = self._model
+        types = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+        for n in losses:
+            dims = types[n.input[0]].tensor_type.shape.dim if n.input[0] in types else []
+            classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
+            ignore = next((a.i for a in n.attribute if a.name == "ignore_index"), None)
+            self._labels[n.input[1]] = (classes, ignore, f"node '{n.name}' ({n.op_type})")
+
+    def _check_labels(self, name: str, value) -> None:
+        classes, ignore, node = self._labels[name]
+        labels = np.asarray(_numpy(value))
+        if labels.dtype.kind not in "iu":
+            return  # onnxruntime refuses the type
+        bad = (labels < 0) if classes is None else ((labels < 0) | (labels >= classes))
+        if ignore is not None:
+            bad &= labels != ignore
+        if bad.any():
+            first = labels[bad].flat[0]
+            allowed = f"0..{classes - 1}" if classes is not None else ">= 0"
+            raise InvalidArgumentError(f"input '{name}': class index {first} is out of range for {node}, which takes "
+                                       f"{allowed}" + (f" or ignore_index {ignore}" if ignore is not None else ""))
+
     def _output_names(self) -> list[str]:
         names = [o.name for o in self._model.graph.output]
         loss = self._params.loss_output_name
         return names if loss in names else [loss] + names
 
     def _user_inputs(self) -> list[str]:
-        fed = {t.name for t in self._model.graph.initializer} | set(self.weights)
+        fed = {t.name for t in self._model.graph.initializer} | set(self.weights) | set(self.buffers)
         return [i.name for i in self._model.graph.input if i.name not in fed]
 
     def _graph(self, kind: str) -> _Graph:
@@ -168,12 +229,13 @@ class TrainingSession:
             shapes = {w: np.broadcast_to(np.zeros((), _NP_OF_ORT[self._state[w].data_type()]), self._state[w].shape())
                       for w in self.weights}  # dtype and shape only: no memory
             max_norm = self._builder.max_grad_norm
-            proto = optimizer_only_model(shapes, self._optimizer, self._options, max_norm)
+            proto = optimizer_only_model(shapes, self._optimizer, self._options, max_norm,
+                                         per_weight=self._builder.per_weight_options)
         elif kind == "eval":
-            proto = self._model
+            proto = inference_form(self._model)
         else:
             raise AssertionError(kind)
-        _weights_as_inputs(proto, self.weights)
+        _weights_as_inputs(proto, self.weights + self.buffers)
         return proto.SerializeToString()
 
     def _ortvalue(self, value) -> ort.OrtValue:
@@ -256,6 +318,8 @@ class TrainingSession:
                     if seen[0] != size:
                         raise InvalidArgumentError(f"dimension '{d}' is {seen[0]} in input '{seen[1]}' but {size} in "
                                                    f"input '{name}'; the inputs must agree on it")
+            if name in self._labels:
+                self._check_labels(name, value)
             out[name] = self._ortvalue(value)
         return out
 
@@ -288,6 +352,7 @@ class TrainingSession:
         rate = self._lr_ortvalue() if lr is None or lr == self._lr else self._ortvalue(np.array(lr, np.float32))
         state = {**self._state, self._builder.lr_name: rate}
         results = self._run("step", feeds, state, run_options=run_options)
+        self._check_finite(results)
         self._take_updates(results)
         if lr is not None:
             self.set_learning_rate(lr)
@@ -304,6 +369,23 @@ class TrainingSession:
         if unknown:
             raise InvalidArgumentError(f"output_names: no output named {unknown}; the outputs are {available}")
         return list(output_names)
+
+    def _check_finite(self, results: Mapping[str, ort.OrtValue]) -> None:
+        """Count a step the graph skipped (its loss or gradients held an inf or NaN: it left
+        the state as it was) and warn, or raise with ``on_nonfinite_step="raise"``. Under dynamic
+        loss scaling such steps are the scale search's, counted without a warning."""
+        if ALL_FINITE not in results or bool(results[ALL_FINITE].numpy()):
+            return
+        if SCALE in self._state:
+            self.skipped_steps += 1
+            return
+        message = (f"step {self.step + 1}: the loss or a gradient is inf or NaN; the update was skipped (weights, "
+                   "optimizer state and running statistics unchanged)")
+        if self._on_nonfinite == "raise":
+            raise NonFiniteError(message)
+        self.skipped_steps += 1
+        warnings.warn(f"{message}; {self.skipped_steps} skipped so far (TrainingSession.skipped_steps)",
+                      RuntimeWarning, stacklevel=4)
 
     def _take_updates(self, results: Mapping[str, ort.OrtValue]) -> None:
         for name, value in results.items():
@@ -351,17 +433,18 @@ class TrainingSession:
         if not self._training:
             raise InvalidArgumentError("train_step in eval mode; call train() first")
         kind = "gradients" if self._reset_grads else "accumulate"
-        state = {w: self._state[w] for w in self.weights}
+        state = {n: self._state[n] for n in self.weights + self.buffers}
         if kind == "accumulate":
             state.update({f"{w}.grad_accum": self._grads[w] for w in self.weights})
         results = self._run(kind, self._positional(inputs), state)
         self._grads = {w: results[f"{w}.grad_accum.updated"] for w in self.weights}
+        self._state.update({b: results[f"{b}.updated"] for b in self.buffers})
         self._reset_grads = False
         return _user_result([_numpy(results[n]) for n in self._output_names()])
 
     def eval_step(self, *inputs):
         """The forward with the current weights: returns the model's outputs."""
-        results = self._run("eval", self._positional(inputs), {w: self._state[w] for w in self.weights})
+        results = self._run("eval", self._positional(inputs), {n: self._state[n] for n in self.weights + self.buffers})
         return _user_result([_numpy(results[n]) for n in self._output_names() if n in results])
 
     def lazy_reset_grad(self) -> None:
@@ -372,10 +455,12 @@ class TrainingSession:
         """Update the weights with the accumulated gradients (clipped when the parameters ask)."""
         if not self._grads:
             raise InvalidArgumentError("optimizer_step before any train_step: there are no gradients yet")
-        state = {n: v for n, v in self._state.items() if n not in (COUNTER,) and not n.endswith(".grad_accum")}
+        state = {n: v for n, v in self._state.items() if n not in (COUNTER, *self.buffers)
+                 and not n.endswith(".grad_accum")}
         state.update({f"{w}_grad": self._grads[w] for w in self.weights})
         state["Learning_Rate"] = self._lr_ortvalue()
         results = self._run("optimizer", {}, state)
+        self._check_finite(results)
         self._take_updates(results)
 
     def get_learning_rate(self) -> float:
@@ -450,10 +535,11 @@ class TrainingSession:
 
         proto = onnx.ModelProto()
         proto.CopyFrom(self._model)
-        keep = [i for i in proto.graph.input if i.name not in self.weights]
+        state = self.weights + self.buffers
+        keep = [i for i in proto.graph.input if i.name not in state]
         del proto.graph.input[:]
         proto.graph.input.extend(keep)
-        proto.graph.initializer.extend(numpy_helper.from_array(v, w) for w, v in self._parameter_values(True).items())
+        proto.graph.initializer.extend(numpy_helper.from_array(_array(self._state[n]), n) for n in state)
         return export_model_for_inferencing(proto, inference_model_uri, graph_output_names)
 
     # ------------------------------------------------------------------ state
@@ -462,17 +548,17 @@ class TrainingSession:
         precision and ``include_mixed_precision_weights`` also {"mixed_precision": {weight:
         array}}: the float16 / bfloat16 copies the graph computes with (the float32 master
         weights cast, as the graph casts them)."""
-        out = {"full_precision": {w: _array(self._state[w]) for w in self.weights}}
+        out = {"full_precision": {w: _array(self._state[w]) for w in self.weights + self.buffers}}
         low = self._builder.mixed_precision
         if include_mixed_precision_weights and low is not None:
             dtype = np.float16 if low == "float16" else ml_dtypes.bfloat16
-            out["mixed_precision"] = {w: v.astype(dtype) for w, v in out["full_precision"].items()}
+            out["mixed_precision"] = {w: out["full_precision"][w].astype(dtype) for w in self.weights}
         return out
 
     def get_optimizer_state(self) -> dict:
         """{weight: {state: array}, "shared_optimizer_state": {"Step": array}} (plus the
         dynamic loss scale and its counter, ``Loss_Scale`` and ``Loss_Scale_Good_Steps``)."""
-        out = {w: {s: _array(self._state[f"{w}.{s}"]) for s in state_names(self._optimizer, self._options)}
+        out = {w: {s: _array(self._state[f"{w}.{s}"]) for s in self._builder.state_names_of(w)}
                for w in self.weights}
         out["shared_optimizer_state"] = {n: _array(self._state[n]) for n in _SHARED if n in self._state}
         return out
@@ -514,7 +600,7 @@ class TrainingSession:
 
     def _state_names(self) -> list[str]:
         names = list(self.weights) + [n for n in _SHARED if n in self._state]
-        names += [f"{w}.{s}" for w in self.weights for s in state_names(self._optimizer, self._options)]
+        names += list(self.buffers) + [f"{w}.{s}" for w in self.weights for s in self._builder.state_names_of(w)]
         return names
 
     def _assign(self, values: Mapping[str, np.ndarray]) -> None:
@@ -554,10 +640,13 @@ class TrainingSession:
         tensors.update({f"{w}.grad": _array(v) for w, v in self._grads.items()})
         metadata = {
             "model": self._fingerprint,
-            "optimizer": json.dumps({"name": self._optimizer, "options": _jsonable(self._options)}),
+            "optimizer": json.dumps({"name": self._optimizer, "options": _jsonable(self._options),
+                                     "per_weight": {w: _jsonable(o) for w, o in self._builder.per_weight_options.items()}}),
             "learning_rate": repr(self._lr),
             "scheduler": json.dumps(self._scheduler.state_dict()) if self._scheduler is not None else "",
             "reset_grads": str(self._reset_grads),
+            "properties": _properties_json(self.properties),
+            "skipped_steps": str(self.skipped_steps),
         }
         checkpoint.save(path, tensors, metadata)
 
@@ -585,7 +674,10 @@ class TrainingSession:
             scheduler = schedulers.from_state_dict(json.loads(metadata["scheduler"]),
                                                    fn=getattr(self._scheduler, "fn", None))
         lr = float(metadata.get("learning_rate", self._lr))
+        properties = json.loads(metadata.get("properties") or "{}")
         self._assign(state)
+        self.properties = properties
+        self.skipped_steps = int(metadata.get("skipped_steps", 0))
         self._grads = {w: self._ortvalue(v) for w, v in grads.items()}
         self._reset_grads = metadata.get("reset_grads", "True") == "True" or not self._grads
         self._scheduler = scheduler if scheduler is not None else self._scheduler
@@ -711,6 +803,7 @@ class TrainingIOBinding:
 
 # ---------------------------------------------------------------------------- helpers
 _OrtErrors = ort.capi.onnxruntime_pybind11_state
+_CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 _ORT_OF_NP = {np.float32: "float", np.float64: "double", np.float16: "float16", np.int64: "int64",
               np.int32: "int32", np.int16: "int16", np.int8: "int8", np.uint8: "uint8", np.uint16: "uint16",
@@ -780,6 +873,14 @@ def _fingerprint(weights: Iterable[str], state: Mapping[str, np.ndarray], optimi
     """Identifies the model and optimizer a checkpoint belongs to: names, dtypes and shapes."""
     items = sorted((n, np.asarray(v).dtype.str, list(np.shape(v))) for n, v in state.items())
     return hashlib.sha256(json.dumps([optimizer, sorted(weights), items]).encode()).hexdigest()
+
+
+def _properties_json(properties) -> str:
+    bad = {k: type(v).__name__ for k, v in properties.items()
+           if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float, str))}
+    if bad:
+        raise InvalidArgumentError(f"TrainingSession.properties holds int, float or str values under str keys; got {bad}")
+    return json.dumps(properties, sort_keys=True)
 
 
 def _jsonable(options: dict) -> dict:

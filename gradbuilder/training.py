@@ -18,6 +18,13 @@ step to the inputs of the next):
   ``Step`` change only on every N-th run, with the sum of the N gradients.
 - with ``max_grad_norm``: the gradients the optimizer sees are clipped to that global L2 norm
   (``torch.nn.utils.clip_grad_norm_``); ``W_grad`` outputs stay unclipped.
+- running statistics (BatchNormalization in training mode, ``passes.running_stats``): each
+  buffer ``B`` is an input (its initializer kept as default value) and ``B.updated`` an output.
+- ``All_Finite`` (bool scalar output): this run's loss and gradients are finite. When they are
+  not, the run changes nothing: weights, optimizer states, ``Step``, running statistics and
+  accumulation buffers come out as they went in. Under dynamic loss scaling an overflow is part
+  of the scale search instead: the update is skipped and the scale backs off, as
+  ``torch.amp.GradScaler`` does, and running statistics are kept only when the loss is finite.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from .builder import GradientGraphBuilder
 from .errors import InvalidArgumentError
 from .passes.accumulate import COUNTER, accumulate
 from .passes.clip import clip_by_global_norm
-from .passes.loss_scale import LossScaling, all_finite, next_scale, scale_loss, unscale
-from .passes.optimizer import add_optimizer, initial_state, resolve
+from .passes import guarded, named_output
+from .passes.loss_scale import ALL_FINITE, LossScaling, all_finite, next_scale, scale_loss, unscale
+from .passes.optimizer import add_optimizer, initial_state, resolve, state_names
 
 
 class TrainingGraphBuilder(GradientGraphBuilder):
@@ -48,6 +56,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         outputs: Iterable[str] | None = None,
         optimizer: str = "sgd",
         optimizer_options: dict | None = None,
+        per_weight_options: Mapping[str, dict] | None = None,
         lr_name: str = "Learning_Rate",
         step_name: str = "Step",
         gradients_as_outputs: bool = False,
@@ -63,13 +72,18 @@ class TrainingGraphBuilder(GradientGraphBuilder):
     ):
         super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients, mixed_precision=mixed_precision,
                          cast_propagation=cast_propagation, recompute=recompute,
-                         memory_efficient_gradient=memory_efficient_gradient)
+                         memory_efficient_gradient=memory_efficient_gradient, running_statistics=True)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InvalidArgumentError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidArgumentError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
         self.optimizer = optimizer
         self.optimizer_options = resolve(optimizer, optimizer_options)
+        self.per_weight_options = {w: resolve(optimizer, o) for w, o in (per_weight_options or {}).items()}
+        unknown = sorted(set(self.per_weight_options) - set(self.weights))
+        if unknown:
+            raise InvalidArgumentError(f"per_weight_options names {unknown}, which are not weights being trained "
+                                       f"({sorted(self.weights)})")
         self.lr_name, self.step_name = lr_name, step_name
         self.gradients_as_outputs = gradients_as_outputs
         self.max_grad_norm = max_grad_norm
@@ -77,6 +91,8 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         self.loss_scaling = loss_scaling
         self.state_dtype = ir.DataType.FLOAT16 if fp16_moments else None
         self._scaled = None
+        self._loss = None
+        self._keep = None  # bool scalar: whether this run's running statistics are kept
         self.dump_paths: dict[str, str] = {}  # "gradient" / "training" / "transformed" -> path
         self.seed_state: dict[str, dict[str, np.ndarray]] = {}  # weight -> state -> initial value
 
@@ -91,31 +107,50 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         return self
 
     def _loss_to_differentiate(self, e, loss):
+        self._loss = loss
         if self.loss_scaling is None:
             return loss
         self._scaled = scale_loss(e, loss, self.loss_scaling)
         return self._scaled.loss
 
     def _after_gradients(self, e, weights, grads):
-        """unscaling -> accumulation -> overflow check -> clipping -> optimizer, each a pass
-        of its own."""
+        """unscaling -> finiteness -> accumulation -> overflow check -> clipping -> optimizer,
+        each a pass of its own."""
         inputs, outputs, apply = [], [], None
         if self._scaled is not None:
             grads = unscale(e, grads, self._scaled)
             inputs = list(self._scaled.inputs)
+        finite = all_finite(e, {**grads, self.loss: self._loss})
+        self._keep = finite if self._scaled is None else all_finite(e, {self.loss: self._loss})
         if self.accumulation_steps > 1:
-            acc = accumulate(e, weights, grads, self.accumulation_steps)
+            # a micro-step that is not finite is dropped, except under loss scaling, where
+            # the check on the sum below backs the scale off (as GradScaler)
+            acc = accumulate(e, weights, grads, self.accumulation_steps, keep=None if self._scaled else finite)
             grads, apply = acc.grads, acc.last
             inputs, outputs = inputs + acc.inputs, acc.outputs
         if self._scaled is not None:
-            finite = all_finite(e, grads)
-            outputs = outputs + next_scale(e, self._scaled, self.loss_scaling, finite, apply)
-            apply = finite if apply is None else e.And(apply, finite)
+            summed_finite = all_finite(e, grads) if self.accumulation_steps > 1 else finite
+            outputs = outputs + next_scale(e, self._scaled, self.loss_scaling, summed_finite, apply)
+            apply = summed_finite if apply is None else e.And(apply, summed_finite)
+        elif apply is None:
+            apply = finite
         if self.max_grad_norm is not None:
             grads = clip_by_global_norm(e, weights, grads, self.max_grad_norm)
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
-                               self.lr_name, self.step_name, apply, self.state_dtype)
-        return update.inputs + inputs, update.outputs + outputs
+                               self.lr_name, self.step_name, apply, self.state_dtype, self.per_weight_options)
+        flag = named_output(e, finite, ALL_FINITE, finite)
+        return update.inputs + inputs, update.outputs + outputs + [flag]
+
+    def _buffer_update(self, e, new, old):
+        return guarded(e, self._keep, new, old)
+
+    def options_of(self, weight: str) -> dict:
+        """The optimizer options of ``weight`` (its own, or the shared ones)."""
+        return self.per_weight_options.get(weight, self.optimizer_options)
+
+    def state_names_of(self, weight: str) -> list[str]:
+        """The optimizer states ``weight`` carries (``W.<state>`` inputs)."""
+        return state_names(self.optimizer, self.options_of(weight))
 
     def _gradients_as_outputs(self) -> bool:
         return self.gradients_as_outputs
@@ -132,7 +167,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         for w in self.weights:
             seeded = self.seed_state.get(w, {})
             dtype = np.float16 if self.state_dtype == ir.DataType.FLOAT16 else None
-            for state, value in initial_state(self.optimizer, self.optimizer_options, values[w], dtype).items():
+            for state, value in initial_state(self.optimizer, self.options_of(w), values[w], dtype).items():
                 feeds[f"{w}.{state}"] = np.asarray(seeded.get(state, value), dtype=value.dtype)
             if self.accumulation_steps > 1:
                 feeds[f"{w}.grad_accum"] = np.zeros_like(values[w])
@@ -145,7 +180,8 @@ class TrainingGraphBuilder(GradientGraphBuilder):
 
 # onnxruntime-training's optimizer attribute keys -> our option names
 _ORT_KEYS = {"lambda": "weight_decay", "epsilon": "eps", "do_bias_correction": "bias_correction"}
-_IGNORED = {"weight_decay_mode"}  # both of onnxruntime's modes decouple the decay (see params.py)
+_IGNORED = {"weight_decay_mode"}
+_ORT_NAMES = ("SGDOptimizer", "AdamOptimizer", "LambOptimizer")  # both of onnxruntime's modes decouple the decay (see params.py)
 
 
 def from_parameters(model, params, outputs: Iterable[str] | None = None) -> TrainingGraphBuilder:
@@ -163,16 +199,24 @@ def from_parameters(model, params, outputs: Iterable[str] | None = None) -> Trai
                                    "e.g. 'AdamOptimizer' or 'adamw'")
     if not params.loss_output_name:
         raise InvalidArgumentError("TrainingParameters.loss_output_name is empty; name the model's loss output")
-    weights = sorted(params.weights_to_train) or float_initializers(model)
+    from .passes.running_stats import buffers_of
+
+    buffers = set(buffers_of(modelio.load_proto(model)))
+    if buffers & params.weights_to_train:
+        raise InvalidArgumentError(f"TrainingParameters.weights_to_train: {sorted(buffers & params.weights_to_train)} "
+                                   "are BatchNormalization running statistics, which the training step updates "
+                                   "as buffers; they are not trained")
+    weights = sorted(params.weights_to_train) or [w for w in float_initializers(model) if w not in buffers]
     immutable = _immutable(model, params.immutable_weights)
     both = sorted(set(params.weights_to_train) & immutable)
     if both:
         raise InvalidArgumentError(f"TrainingParameters: {both} are in weights_to_train and are also immutable "
                                    "(immutable_weights); remove them from one of the two")
     weights = [w for w in weights if w not in params.weights_not_to_train and w not in immutable]
-    options, max_norm = _optimizer_options(name, params, weights)
+    options, per_weight, max_norm = _optimizer_options(name, params, weights, model)
     builder = TrainingGraphBuilder(
         model, weights, params.loss_output_name, outputs=outputs, optimizer=name, optimizer_options=options,
+        per_weight_options=per_weight,
         lr_name=params.lr_params_feed_name, gradients_as_outputs=params.set_gradients_as_graph_outputs,
         max_grad_norm=max_norm if params.enable_grad_norm_clip else None,
         accumulation_steps=params.gradient_accumulation_steps, **graph_options(params))
@@ -230,20 +274,37 @@ def _immutable(model, spec: dict) -> set[str]:
     return fixed
 
 
-def _optimizer_options(name: str, params, weights: list[str]) -> tuple[dict, float]:
-    """One option set for every weight (per-weight differences are refused) and the clip norm."""
-    per_weight = {}
+def _optimizer_options(name: str, params, weights: list[str], model) -> tuple[dict, dict[str, dict], float]:
+    """The shared options (the optimizer's defaults), each listed weight's own options, and the
+    clip norm. optimizer_attributes_map / optimizer_int_attributes_map give a weight its
+    attributes (onnxruntime's keys or plain ones); a weight they do not list takes the
+    optimizer's defaults. max_norm_clip is one global norm: the weights that give it agree."""
+    maps = (params.optimizer_attributes_map, params.optimizer_int_attributes_map)
+    known = {t.name for t in modelio.load_proto(model).graph.initializer} | set(weights)
+    unknown = sorted({w for m in maps for w in m if w not in known})
+    if unknown:
+        raise InvalidArgumentError(f"TrainingParameters.optimizer_attributes_map names {unknown}, which the model "
+                                   f"has no initializer of; the weights being trained are {sorted(weights)}")
+    # onnxruntime's optimizers default to no weight decay (lambda 0), torch's AdamW to 0.01
+    defaults = {"lambda": 0.0} if params.training_optimizer_name in _ORT_NAMES else {}
+    per_weight, norms = {}, {}
     for w in weights:
         attrs = {**params.optimizer_attributes_map.get(w, {}), **params.optimizer_int_attributes_map.get(w, {})}
-        per_weight[w] = attrs
-    distinct = {tuple(sorted(a.items())) for a in per_weight.values()}
-    if len(distinct) > 1:
-        raise InvalidArgumentError("TrainingParameters.optimizer_attributes_map: the weights have different "
-                                   "optimizer attributes; per-weight attributes are not supported yet, give "
-                                   "every weight the same ones")
-    attrs = dict(distinct.pop()) if distinct else {}
-    max_norm = float(attrs.pop("max_norm_clip", 1.0))
-    options = {}
+        if "max_norm_clip" in attrs:
+            norms[w] = float(attrs.pop("max_norm_clip"))
+        if attrs:
+            per_weight[w] = _plain_options(name, {**defaults, **attrs})
+    if len(set(norms.values())) > 1:
+        raise InvalidArgumentError("TrainingParameters.optimizer_attributes_map: max_norm_clip is one global "
+                                   f"gradient norm, but the weights give different values: {norms}")
+    max_norm = next(iter(norms.values()), 1.0)
+    return _plain_options(name, defaults), per_weight, max_norm
+
+
+def _plain_options(name: str, attrs: dict) -> dict:
+    """onnxruntime's attribute keys (alpha, beta, lambda, epsilon, do_bias_correction) as our
+    option names, over the optimizer's defaults."""
+    attrs, options = dict(attrs), {}
     beta1, beta2 = attrs.pop("alpha", attrs.pop("beta1", None)), attrs.pop("beta", attrs.pop("beta2", None))
     if beta1 is not None or beta2 is not None:
         defaults = resolve(name, {}).get("betas", (0.9, 0.999))
@@ -253,15 +314,17 @@ def _optimizer_options(name: str, params, weights: list[str]) -> tuple[dict, flo
             continue
         key = _ORT_KEYS.get(key, key)
         options[key] = bool(value) if key in ("bias_correction", "nesterov", "amsgrad") else value
-    return resolve(name, options), max_norm
+    return resolve(name, options)
 
 
 def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: dict,
-                         max_grad_norm: float | None = None, opset: int = 17) -> onnx.ModelProto:
+                         max_grad_norm: float | None = None, opset: int = 17,
+                         per_weight: Mapping[str, dict] | None = None) -> onnx.ModelProto:
     """A graph of the optimizer update alone (clipping first with ``max_grad_norm``): inputs
     ``Learning_Rate``, ``Step``, every weight ``W`` (``weights`` gives dtypes and shapes), its
     gradient ``W_grad`` and its states ``W.<state>``; outputs ``W.updated``,
-    ``W.<state>.updated``, ``Step.updated``."""
+    ``W.<state>.updated``, ``Step.updated`` and ``All_Finite``: when a gradient holds an inf
+    or NaN, nothing changes."""
     from .registry import Emitter
 
     ws = [ir.Value(name=w, type=ir.TensorType(ir.DataType(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(v.dtype)))),
@@ -271,13 +334,14 @@ def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: 
     e = Emitter(graph, opset)
     e._used.update(v.name for v in ws + grads)
     clipped = {w.name: g for w, g in zip(ws, grads)}
+    finite = all_finite(e, clipped)
     if max_grad_norm is not None:
         clipped = clip_by_global_norm(e, ws, clipped, max_grad_norm)
-    update = add_optimizer(e, ws, clipped, name, options, "Learning_Rate", "Step")
+    update = add_optimizer(e, ws, clipped, name, options, "Learning_Rate", "Step", finite, per_weight=per_weight)
     for v in reversed(update.inputs[:2]):  # Learning_Rate, Step first
         graph.inputs.insert(0, v)
     graph.inputs.extend(update.inputs[2:])
-    graph.outputs.extend(update.outputs)
+    graph.outputs.extend(update.outputs + [named_output(e, finite, ALL_FINITE, finite)])
     proto = ir.to_proto(ir.Model(graph, ir_version=8))
     onnx.checker.check_model(proto, full_check=True)
     return proto

@@ -84,9 +84,32 @@ def test_train_trains_saves_a_checkpoint_and_exports(tmp_path, capsys):
     acc = float(np.mean(np.argmax(sess.run(["logits"], {"x": x})[0], -1) == labels))
     assert f"accuracy (logits vs labels): {acc:.1%}" in text and acc > 0.8
 
-    assert main(["train", str(model), "--data", str(data), "--steps", "5", "--batch-size", "32",
-                 "--resume", str(ckpt)]) == 0
-    assert f"resumed from {ckpt} at step 120" in capsys.readouterr().out
+
+def test_train_resumed_continues_schedule_and_data_order_as_one_run(tmp_path, capsys):
+    """60 + 60 batches through a checkpoint give the weights of 120 without stopping: the
+    schedule continues at its position (its warm-up spans the checkpoint), the batches continue
+    in the same order (120 batches of 32 are 7.5 epochs of the 512 rows)."""
+    from gradbuilder import checkpoint
+
+    model, data, _, _ = _demo_files(tmp_path)
+    common = ["train", str(model), "--data", str(data), "--batch-size", "32", "--scheduler", "constant_with_warmup",
+              "--warmup-steps", "80", "--lr", "0.01", "--seed", "3"]
+    whole, half, resumed = (tmp_path / f"{n}.safetensors" for n in ("whole", "half", "resumed"))
+    assert main(common + ["--steps", "120", "--checkpoint", str(whole)]) == 0
+    assert main(common + ["--steps", "60", "--checkpoint", str(half)]) == 0
+    capsys.readouterr()
+    assert main(["train", str(model), "--data", str(data), "--batch-size", "32", "--steps", "120",
+                 "--lr", "0.5", "--resume", str(half), "--checkpoint", str(resumed)]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {half} at step 60 (60 batches)" in out and "--lr are ignored" in out
+    a, meta_a = checkpoint.load(whole)
+    b, meta_b = checkpoint.load(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert meta_a["learning_rate"] == meta_b["learning_rate"]
+    assert main(["train", str(model), "--data", str(data), "--steps", "100", "--resume", str(resumed)]) == 0
+    assert "nothing to train" in capsys.readouterr().out
 
 
 def test_train_with_appended_loss_on_a_logits_model(tmp_path, capsys):

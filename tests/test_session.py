@@ -560,3 +560,46 @@ def test_held_outputs_do_not_keep_earlier_states_alive():
     kept += [sess.run_with_ort_values(["loss"], {"x": x.numpy()})[0] for _ in range(40)]
     assert _rss_mib() - before < 100
     assert np.isfinite(kept[0].numpy()) and kept[-1].numpy() < kept[0].numpy()
+
+
+# ================================================================== TrainingParameters as onnxruntime-training's
+
+
+def test_per_weight_optimizer_attributes_and_defaults_for_weights_not_listed():
+    """The README's snippet: AdamOptimizer attributes for fc1 only; fc2 takes the optimizer's
+    defaults (onnxruntime's: no weight decay). torch: the same as two parameter groups."""
+    p = TrainingParameters(loss_output_name="loss", training_optimizer_name="AdamOptimizer",
+                           enable_grad_norm_clip=False)
+    p.optimizer_attributes_map = {w: {"alpha": 0.8, "beta": 0.99, "lambda": 0.05} for w in ["fc1.weight", "fc1.bias"]}
+    s = TrainingSession(model_bytes(), p, providers=CPU)
+    s.set_learning_rate(LR)
+    module = new_module()
+    opt = torch.optim.AdamW([
+        {"params": [module.fc1.weight, module.fc1.bias], "betas": (0.8, 0.99), "weight_decay": 0.05},
+        {"params": [module.fc2.weight, module.fc2.bias], "betas": (0.9, 0.999), "weight_decay": 0.0},
+    ], lr=LR)
+    for x, y in batches(10, seed=11):
+        (loss,) = s.run(["loss"], feeds(x, y))
+        np.testing.assert_allclose(loss, torch_step(module, opt, x, y), rtol=1e-5)
+    assert_weights_match(weights_of(s), module)
+    p.optimizer_attributes_map = {"fc3.weight": {"alpha": 0.8}}
+    with pytest.raises(InvalidArgumentError, match="fc3.weight"):
+        TrainingSession(model_bytes(), p, providers=CPU)
+
+
+def test_missing_loss_output_is_refused_at_construction():
+    with pytest.raises(InvalidArgumentError, match="loss_output_name 'los' is not a value"):
+        TrainingSession(model_bytes(), TrainingParameters(loss_output_name="los", training_optimizer_name="sgd"),
+                        providers=CPU)
+
+
+def test_label_out_of_range_is_refused_before_the_run():
+    s = session()
+    x, y = batches(1, seed=12)[0]
+    before = state_arrays(s)
+    for label in (CLASSES, -3):
+        bad = y.copy()
+        bad[1] = label
+        with pytest.raises(InvalidArgumentError, match=f"class index {label} is out of range.*0..{CLASSES - 1}"):
+            s.run(["loss"], feeds(x, bad))
+    assert_same_state(before, state_arrays(s))

@@ -32,3 +32,9 @@ def new_input(e, name: str, dtype: _ir.DataType, shape) -> _ir.Value:
     """A graph input ``name`` (the caller appends it to the inputs), its name reserved in ``e``."""
     e._used.add(name)
     return _ir.Value(name=name, type=_ir.TensorType(dtype), shape=_ir.Shape(list(shape)) if shape is not None else None)
+
+
+def guarded(e, cond: _ir.Value | None, new: _ir.Value, old: _ir.Value) -> _ir.Value:
+    """``new`` where the bool scalar ``cond`` holds, else ``old`` (``new`` when ``cond`` is None):
+    how a run leaves state as it was (accumulation micro-steps, skipped steps)."""
+    return new if cond is None else e.Where(cond, new, old)

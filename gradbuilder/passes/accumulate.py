@@ -5,6 +5,8 @@ a counter input ``Accumulation_Step`` (int64 scalar, micro-steps done since the 
 0 at the start) and output ``Accumulation_Step.updated``. On micro-steps 1..steps-1 the buffer
 sums the gradients; on the last one the optimizer sees the sum (as torch's repeated
 ``backward()`` calls accumulate ``.grad``), the buffer returns to zero and the counter to 0.
+With ``keep`` (a bool scalar), a micro-step where it is false leaves buffers and counter as
+they were (a micro-step whose gradients are not finite is dropped).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from . import named_output, new_input
+from . import guarded, named_output, new_input
 
 COUNTER = "Accumulation_Step"
 
@@ -27,7 +29,8 @@ class Accumulation:
     outputs: list[ir.Value]
 
 
-def accumulate(e, weights: list[ir.Value], grads: dict[str, ir.Value], steps: int) -> Accumulation:
+def accumulate(e, weights: list[ir.Value], grads: dict[str, ir.Value], steps: int,
+               keep: ir.Value | None = None) -> Accumulation:
     counter = new_input(e, COUNTER, ir.DataType.INT64, [])
     done = e.Add(counter, e.const(np.array(1, np.int64)))
     last = e.Equal(done, e.const(np.array(steps, np.int64)))
@@ -38,7 +41,9 @@ def accumulate(e, weights: list[ir.Value], grads: dict[str, ir.Value], steps: in
         inputs.append(buf)
         total = e.Add(buf, grads[w.name])
         summed[w.name] = total
-        buffers.append(named_output(e, e.Where(last, e.zeros_like(w), total), f"{name}.updated", w))
-    next_counter = e.Where(last, e.const(np.array(0, np.int64)), done)
+        buffers.append(named_output(e, guarded(e, keep, e.Where(last, e.zeros_like(w), total), buf), f"{name}.updated", w))
+    next_counter = guarded(e, keep, e.Where(last, e.const(np.array(0, np.int64)), done), counter)
+    if keep is not None:
+        last = e.And(last, keep)
     outputs = buffers + [named_output(e, next_counter, f"{COUNTER}.updated", counter)]
     return Accumulation(summed, last, inputs, outputs)

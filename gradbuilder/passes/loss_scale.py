@@ -24,6 +24,7 @@ from . import named_output, new_input
 
 SCALE = "Loss_Scale"
 GOOD_STEPS = "Loss_Scale_Good_Steps"
+ALL_FINITE = "All_Finite"  # output: this run's loss and gradients are finite (else its update is skipped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +70,13 @@ def unscale(e, grads: dict[str, ir.Value], scaled: Scaled) -> dict[str, ir.Value
 
 
 def all_finite(e, grads: dict[str, ir.Value]) -> ir.Value:
-    """A bool scalar: no gradient holds an inf or NaN (their float32 sum is finite: an inf
-    or NaN anywhere makes it inf or NaN)."""
+    """A bool scalar: no value of ``grads`` (gradients, the loss) holds an inf or NaN (their
+    float32 sum is finite: an inf or NaN anywhere makes it inf or NaN)."""
     sums = [e.Cast(e.reduce("ReduceSum", g, None, keepdims=False), to=int(ir.DataType.FLOAT)) for g in grads.values()]
     total = e.op("Sum", *sums) if len(sums) > 1 else sums[0]
-    return e.Not(e.Or(e.IsInf(total), e.IsNaN(total)))
+    finite = e.Not(e.Or(e.IsInf(total), e.IsNaN(total)))
+    finite.dtype, finite.shape = ir.DataType.BOOL, ir.Shape([])
+    return finite
 
 
 def next_scale(e, scaled: Scaled, scaling: LossScaling, finite: ir.Value, applied: ir.Value | None) -> list[ir.Value]:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import InvalidArgumentError
-from . import named_output, new_input
+from . import guarded, named_output, new_input
 
 DEFAULTS = {
     "sgd": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
@@ -84,32 +84,30 @@ class Update:
 
 def add_optimizer(e, weights: list[ir.Value], grads: dict[str, ir.Value], name: str, options: dict,
                   lr_name: str, step_name: str, apply: ir.Value | None = None,
-                  state_dtype: ir.DataType | None = None) -> Update:
+                  state_dtype: ir.DataType | None = None, per_weight: dict[str, dict] | None = None) -> Update:
     """Append the update of every weight (``grads`` maps weight name -> gradient value).
-    With ``apply`` (a bool scalar) the update takes effect only where it is true: otherwise
-    weights, states and the step count come out unchanged (gradient accumulation, skipped
-    steps on overflow). With ``state_dtype`` the first moments (HALF_STATES) are stored in
-    that type (float16 moments) and computed in the weight's."""
+    ``per_weight`` gives some weights options of their own (as torch's parameter groups);
+    the others take ``options``. With ``apply`` (a bool scalar) the update takes effect only
+    where it is true: otherwise weights, states and the step count come out unchanged
+    (gradient accumulation, skipped steps). With ``state_dtype`` the first moments
+    (HALF_STATES) are stored in that type (float16 moments) and computed in the weight's."""
     options = resolve(name, options)
     lr = new_input(e, lr_name, ir.DataType.FLOAT, [])
     step = new_input(e, step_name, ir.DataType.INT64, [])
     t = e.Add(step, e.const(np.array(1, np.int64)))  # torch's step count after this update
     inputs, new_weights, new_states = [lr, step], [], []
     for w in weights:
+        own = resolve(name, (per_weight or {}).get(w.name, options))
         states = {s: new_input(e, f"{w.name}.{s}", state_dtype_of(s, w.dtype, state_dtype), w.shape)
-                  for s in state_names(name, options)}
+                  for s in state_names(name, own)}
         inputs.extend(states.values())
         updated, updated_states = STEPS[name](e, w, grads[w.name], e.CastLike(lr, w), e.CastLike(t, w),
-                                              {s: e.CastLike(v, w) for s, v in states.items()}, options)
-        new_weights.append(named_output(e, _applied(e, apply, updated, w), f"{w.name}.updated", w))
-        new_states += [named_output(e, _applied(e, apply, e.CastLike(updated_states[s], states[s]), states[s]),
+                                              {s: e.CastLike(v, w) for s, v in states.items()}, own)
+        new_weights.append(named_output(e, guarded(e, apply, updated, w), f"{w.name}.updated", w))
+        new_states += [named_output(e, guarded(e, apply, e.CastLike(updated_states[s], states[s]), states[s]),
                                     f"{states[s].name}.updated", states[s]) for s in states]
-    step_out = named_output(e, _applied(e, apply, t, step), f"{step_name}.updated", step)
+    step_out = named_output(e, guarded(e, apply, t, step), f"{step_name}.updated", step)
     return Update(inputs, new_weights + new_states + [step_out])
-
-
-def _applied(e, apply, new: ir.Value, old: ir.Value) -> ir.Value:
-    return new if apply is None else e.Where(apply, new, old)
 
 
 def _scalar(e, value: float, like: ir.Value) -> ir.Value:
