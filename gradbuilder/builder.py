@@ -19,7 +19,7 @@ from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
 from .passes import named_output
 from .passes.expose_masks import expose_dropout_masks
-from .passes.running_stats import expose_running_statistics
+from .passes.running_stats import expose_running_statistics, restore_training_mode
 from .passes.store_trips import store_loop_trips
 from .registry import FLOAT_TYPES, Emitter, dims_of
 
@@ -126,6 +126,7 @@ class GradientGraphBuilder:
         e = Emitter(graph, opset)
         split_to_sequence_as_split(graph, opset, e.unique)
         sequence_appends_as_scan_outputs(graph, e.unique)
+        restore_training_mode(graph, opset, e.unique)
         expose_dropout_masks(graph, e.unique)
         buffers = self._expose_buffers(model, e, opset, weights) if self.running_statistics else []
         store_loop_trips(graph, weights, e.unique)

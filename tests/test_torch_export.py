@@ -59,7 +59,8 @@ class CNN(nn.Module):
         pytest.param(False, 17, True, id="torchscript-17-train"),
         pytest.param(False, 17, False, id="torchscript-17-eval"),
         # torch's dynamo exporter writes BatchNormalization in its inference form even for a
-        # module in training mode, so only the eval form is compared there
+        # module in training mode; the builder puts it back in training mode
+        pytest.param(True, 18, True, id="dynamo-18-train"),
         pytest.param(True, 18, False, id="dynamo-18-eval"),
     ],
 )

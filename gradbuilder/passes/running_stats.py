@@ -23,18 +23,42 @@ decay).
 
 from __future__ import annotations
 
+import re
+
 import onnx
 import onnx_ir as ir
 from onnx import helper
 
 from ..registry import attr
 
+# torch's dynamo exporter writes a training-mode BatchNorm (aten's functional batch norm with
+# training=True) as an inference-mode BatchNormalization; the node's metadata keeps the call.
+_TORCH_TRAINING = re.compile(r"aten\._native_batch_norm_legit_functional\.default\]\(args = \((?:[^,]*, ){5}True,")
 
-def _in_training(op_type: str, n_outputs: int, training_mode: int | None, opset: int) -> bool:
-    """BatchNormalization-14+ says so by ``training_mode``; -9 to -13 by returning more than Y."""
+
+def _in_training(op_type: str, n_outputs: int, training_mode: int | None, opset: int, metadata=None) -> bool:
+    """BatchNormalization-14+ says so by ``training_mode``; -9 to -13 by returning more than Y;
+    a dynamo export by the call in its metadata."""
     if op_type != "BatchNormalization":
         return False
+    if bool(_TORCH_TRAINING.search((metadata or {}).get("pkg.torch.onnx.fx_node", ""))):
+        return True
     return bool(training_mode) if opset >= 14 else n_outputs > 1
+
+
+def restore_training_mode(graph: ir.Graph, opset: int, unique) -> None:
+    """Put back in training mode the BatchNormalizations that torch's dynamo exporter wrote in
+    inference form for a module in training mode (their outputs then use the batch's
+    statistics, as the module's did)."""
+    for node in graph:
+        if (node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or opset < 14
+                or attr(node, "training_mode", 0) or not _in_training(node.op_type, 1, 0, opset, node.metadata_props)):
+            continue
+        node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+        node.resize_outputs(3)
+        for i, like in ((1, node.inputs[3]), (2, node.inputs[4])):
+            node.outputs[i].name = unique(f"{node.name or 'BatchNormalization'}_running_{i}")
+            node.outputs[i].dtype, node.outputs[i].shape = like.dtype, like.shape
 
 
 def _opset(model) -> int:
@@ -54,7 +78,8 @@ def buffers_of(model: onnx.ModelProto) -> list[str]:
         if node.domain not in ("", "ai.onnx"):
             continue
         mode = next((a.i for a in node.attribute if a.name == "training_mode"), None)
-        if not _in_training(node.op_type, len([o for o in node.output if o]), mode, opset) or len(node.input) < 5:
+        metadata = {p.key: p.value for p in node.metadata_props}
+        if not _in_training(node.op_type, len([o for o in node.output if o]), mode, opset, metadata) or len(node.input) < 5:
             continue
         if all(n in sources for n in node.input[3:5]):
             found += [n for n in node.input[3:5] if n not in found]
