@@ -27,7 +27,7 @@ from . import modelio
 from .autodiff import node_inputs, walk
 from .builder import _name_gradients, _values_by_name
 from .errors import InvalidArgumentError
-from .passes.canonicalize import sequence_appends_as_scan_outputs, split_to_sequence_as_split
+from .passes.canonicalize import indexed_max_as_gather, sequence_appends_as_scan_outputs, split_to_sequence_as_split
 from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
 from .passes.expose_masks import expose_dropout_masks
@@ -47,6 +47,7 @@ class SplitGraphs:
     gradients: dict[str, str]  # the input or weight -> its gradient, a backward output
     forward_inputs: list[str]  # the forward graph's inputs
     backward_inputs: list[str]  # the backward graph's inputs, all kinds
+    gradient_graph: onnx.ModelProto | None = None  # forward and backward in one graph, when kept
 
     @property
     def no_gradient(self) -> list[str]:
@@ -55,20 +56,21 @@ class SplitGraphs:
 
 
 def build_split(model, wrt: Iterable[str], outputs: Iterable[str] | None = None,
-                stop_gradients: Iterable[str] = ()) -> SplitGraphs:
+                stop_gradients: Iterable[str] = (), keep_gradient_graph: bool = False) -> SplitGraphs:
     """Split graphs of ``model`` (bytes, path or ModelProto; not modified) differentiating its
     float ``outputs`` (default: all float graph outputs) with respect to the graph inputs
-    ``wrt``; no gradient flows through the values named in ``stop_gradients``."""
+    ``wrt``; no gradient flows through the values named in ``stop_gradients``.
+    ``keep_gradient_graph`` also returns the graph before the split."""
     gc_was_enabled = gc.isenabled()
     gc.disable()  # see GradientGraphBuilder.build
     try:
-        return _build_split(model, list(wrt), outputs, list(stop_gradients))
+        return _build_split(model, list(wrt), outputs, list(stop_gradients), keep_gradient_graph)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> SplitGraphs:
+def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str], keep_gradient_graph: bool) -> SplitGraphs:
     proto = modelio.normalize(modelio.load_proto(model))
     if expand_functions(proto, wrt, modelio.default_opset(proto)):
         modelio.infer_types(proto)
@@ -94,6 +96,7 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> S
     e = Emitter(graph, opset)
     split_to_sequence_as_split(graph, opset, e.unique)
     sequence_appends_as_scan_outputs(graph, e.unique)
+    indexed_max_as_gather(graph, opset, e.unique)
     expose_dropout_masks(graph, e.unique)
     wrt_values = [inputs[n] for n in wrt]
     store_loop_trips(graph, wrt_values, e.unique)
@@ -157,7 +160,7 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str]) -> S
     return SplitGraphs(
         forward=fw, backward=bw, outputs=[v.name for v in model_outputs], saved=[v.name for v in saved_values],
         seeds=seed_names, gradients=gradients, forward_inputs=[i.name for i in fw.graph.input],
-        backward_inputs=[i.name for i in bw.graph.input],
+        backward_inputs=[i.name for i in bw.graph.input], gradient_graph=full if keep_gradient_graph else None,
     )
 
 

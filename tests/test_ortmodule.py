@@ -156,6 +156,7 @@ def test_module_face_parameters_state_dict_modes():
     _quiet()
     torch.manual_seed(0)
     inner = cnn()
+    ref = copy.deepcopy(inner)
     om = ORTModule(inner)
     assert [id(p) for p in om.parameters()] == [id(p) for p in inner.parameters()]
     assert list(om.state_dict()) == list(inner.state_dict())
@@ -164,7 +165,7 @@ def test_module_face_parameters_state_dict_modes():
     om.eval()
     assert not inner.training
     with torch.no_grad():
-        torch.testing.assert_close(om(x), inner(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(om(x), ref.eval()(x), rtol=1e-5, atol=1e-6)
     other = cnn()
     om.load_state_dict(other.state_dict())
     with torch.no_grad():
@@ -253,7 +254,8 @@ def structured():
 
 def test_nested_inputs_and_outputs(structured):
     ref, om, inputs = structured
-    a, b = ref(inputs, scale=3.0, tag="b"), om(inputs, scale=3.0, tag="b")
+    with pytest.warns(UserWarning, match="str 'b'"):  # a constant of the graph
+        a, b = ref(inputs, scale=3.0, tag="b"), om(inputs, scale=3.0, tag="b")
     assert b["tag"] == "b"
     torch.testing.assert_close(b["h"], a["h"])
     assert b["pair"][0].dtype == torch.int64 and not b["pair"][0].requires_grad
@@ -275,22 +277,33 @@ def test_output_not_in_the_loss(structured):
 
 
 def test_debug_options_save_onnx_and_log_level(tmp_path, caplog):
+    """The files have onnxruntime-training's names: <prefix>_<what>_<training|inference>.onnx."""
     _quiet()
     torch.manual_seed(0)
     opts = DebugOptions(save_onnx=True, log_level=LogLevel.INFO, onnx_prefix="my_model", save_path=str(tmp_path))
     om = ORTModule(mlp(), opts)
     with caplog.at_level(logging.INFO, logger="gradbuilder.ortmodule"):
         om(torch.randn(3, 10)).sum().backward()
-    names = sorted(os.listdir(tmp_path))
-    assert names == ["my_model_0_backward.onnx", "my_model_0_exported.onnx", "my_model_0_forward.onnx"]
-    for n in names:
+    kinds = ["torch_exported", "optimized_pre_grad", "optimized", "execution_model", "execution_model_backward"]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"my_model_{k}_training.onnx" for k in kinds)
+    for n in os.listdir(tmp_path):
         onnx.checker.check_model(str(tmp_path / n))
+    backward = onnx.load(str(tmp_path / "my_model_execution_model_backward_training.onnx"))
+    assert any(i.name.endswith("_grad_output") for i in backward.graph.input)
+    with torch.no_grad():
+        om(torch.randn(3, 10))
+    om(torch.randn(2, 3, 10)).sum().backward()  # another training signature
+    names = set(os.listdir(tmp_path))
+    assert {f"my_model_{k}_inference.onnx" for k in kinds[:4]} <= names
+    assert {f"my_model_{k}_training_2.onnx" for k in kinds} <= names and len(names) == 14
     assert any("exporting Sequential" in r.getMessage() for r in caplog.records)
     assert logging.getLogger("gradbuilder.ortmodule").level == logging.INFO
     compiled = next(iter(om._compiled.values()))
     assert compiled.forward_session.get_session_options().log_severity_level == 1
     with pytest.raises(InvalidArgumentError, match="onnx_prefix"):
         DebugOptions(save_onnx=True)
+    with pytest.raises(InvalidArgumentError, match="onnx_prefix must be a str, got int"):
+        DebugOptions(save_onnx=True, onnx_prefix=23)
     with pytest.raises(InvalidArgumentError, match="log_level"):
         DebugOptions(log_level=7)
 
@@ -315,20 +328,24 @@ class Unexportable(torch.nn.Module):
         return torch.diff(self.lin(x), dim=-1)  # aten::diff has no ONNX export
 
 
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
+@torch.library.custom_op("gradbuilder_test::square", mutates_args=())
+def _square(x: torch.Tensor) -> torch.Tensor:
+    """An operator exported as a custom-domain op that has no gradient rule."""
+    return x * x
 
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
 
-    @staticmethod
-    def symbolic(g, x):
-        return g.op("example.custom::Square", x)
+def _square_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _square_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    return 2 * x * g
+
+
+_square.register_fake(torch.empty_like)
+_square.register_autograd(_square_backward, setup_context=_square_context)
+torch.onnx.register_custom_op_symbolic("gradbuilder_test::square", lambda g, x: g.op("example.custom::Square", x), 17)
 
 
 class NoRule(torch.nn.Module):
@@ -337,11 +354,11 @@ class NoRule(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        return _Square.apply(self.lin(x))
+        return torch.ops.gradbuilder_test.square(self.lin(x))
 
 
 @pytest.mark.parametrize("module, error, match", [
-    (Branchy, ExportError, r"Python control flow on tensor values \(.*test_ortmodule.py:\d+"),
+    (Branchy, ExportError, r"reads a tensor's value into Python at .*test_ortmodule.py:\d+ \(Tensor.__bool__\)"),
     (Unexportable, ExportError, "aten::diff"),
     (NoRule, UnsupportedOpError, r"ORTModule\(NoRule\).*no gradient rule.*op_type=Square, domain='example.custom'"),
 ], ids=["control-flow", "unsupported-export", "no-gradient-rule"])
@@ -362,7 +379,7 @@ def test_clear_errors_and_opt_in_fallback(module, error, match):
 
 
 def test_value_branch_on_shapes_is_not_an_error():
-    """A branch on a shape also warns while tracing; the second trace shows it is not on values."""
+    """A branch on a shape converts a traced size, not a value, to a Python bool: no error."""
     _quiet()
 
     class OnShape(torch.nn.Module):

@@ -4,8 +4,17 @@ The call's arguments are flattened (``torch.utils._pytree``): tensors become gra
 ``input_<i>`` with every dimension dynamic, everything else is baked into the graph and is
 part of the signature. Parameters and buffers become graph inputs named as in
 ``named_parameters()`` / ``named_buffers()``, fed at run time, so an optimizer's updates and
-``load_state_dict`` need no new export. The outputs are flattened the same way; non-tensor
-leaves are kept from the traced call.
+``load_state_dict`` need no new export. The outputs are flattened the same way: one graph output per
+distinct output tensor (a tensor returned twice is one output), non-tensor leaves (None
+included) kept from the traced call. The trace runs under the caller's grad mode, so an
+output that does not require grad in PyTorch (an integer result, a ``detach()``) takes no
+gradient here either.
+
+While tracing, ``_watching`` records what a single exported graph cannot follow: a tensor's
+value handed to Python (``.item()``, ``bool()``, ``int()``, ...) and ``torch.autograd.Function``
+calls, whose forward the exporter keeps and whose backward it drops; and it makes
+``torch.max``/``torch.min`` along a dimension take their values at their indices, so that the
+gradient goes to the index as in PyTorch.
 
 Training-mode BatchNormalization also returns its new running statistics (outputs
 ``running/<buffer name>``), computed as PyTorch does: ONNX's running variance uses the biased
@@ -19,6 +28,8 @@ import dataclasses
 import io
 import os
 import re
+import sys
+import threading
 import warnings
 
 import onnx
@@ -43,17 +54,27 @@ class Exported:
     state: dict[str, str]  # graph input -> parameter or buffer name
     outputs: list[str]  # graph outputs of the module's tensor leaves, in order
     out_spec: pytree.TreeSpec
-    out_leaves: list  # the traced call's output leaves (tensors as None)
+    out_leaves: list  # the traced call's output leaves, tensors as Output(index into outputs)
+    differentiable: list[bool]  # per output: it required grad in the traced call
     running: dict[str, str]  # graph output -> buffer it updates (BatchNorm running stats)
     batch_counters: list[str]  # num_batches_tracked buffers to increment each training call
     fixed_sizes: str | None = None  # why the graph holds only for the traced input sizes
     stop_gradients: list[str] = dataclasses.field(default_factory=list)  # values no gradient flows through
     shapes: tuple = ()  # the traced call's tensor shapes
+    functions: list[str] = dataclasses.field(default_factory=list)  # autograd Functions the call applied
+    torch_exported: bytes | None = None  # torch.onnx.export's own model, when kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """An output leaf that is a tensor: the graph output ``index`` of ``Exported.outputs``."""
+
+    index: int
 
 
 class _Flat(torch.nn.Module):
-    """The module as a function of its call's tensor leaves, returning its output's tensor
-    leaves; records the output's structure."""
+    """The module as a function of its call's tensor leaves, returning its output's distinct
+    tensors; records the output's structure and which tensors require grad."""
 
     def __init__(self, module, leaves, spec):
         super().__init__()
@@ -62,6 +83,7 @@ class _Flat(torch.nn.Module):
         self._spec = spec
         self.out_spec = None
         self.out_leaves = None
+        self.differentiable = None
 
     def forward(self, *tensors):
         it = iter(tensors)
@@ -69,38 +91,41 @@ class _Flat(torch.nn.Module):
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         out = self.inner(*args, **kwargs)
         flat, self.out_spec = pytree.tree_flatten(out)
-        self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in flat]
-        return tuple(x for x in flat if isinstance(x, torch.Tensor))
+        distinct: list[torch.Tensor] = []
+        self.out_leaves = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                index = next((i for i, t in enumerate(distinct) if t is x), None)
+                if index is None:
+                    index = len(distinct)
+                    distinct.append(x)
+                x = Output(index)
+            self.out_leaves.append(x)
+        self.differentiable = [t.requires_grad and t.is_floating_point() for t in distinct]
+        return tuple(distinct)
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_CONTROL_FLOW = re.compile(r"Converting a tensor to a Python (boolean|number|index|integer|float|list)")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TO_NUMBER = re.compile(r"Converting a tensor to a Python (number|index|integer|list)")
+_TRACING = threading.RLock()  # one trace at a time: _watching replaces methods of torch's classes
 
 
-def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False) -> Exported:
+def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
+           keep_torch_export: bool = False) -> Exported:
     what = type(module).__name__
-    data, caught, flat = _trace(module, leaves, spec, verbose)
-    # Sizes are tensors while tracing, so a branch on a shape warns like a branch on values.
-    # Where the module's own code converted a tensor to a Python value, trace it again with
-    # other values of the same shapes: a branch on values shows as a different graph.
-    sites = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)
-             and _CONTROL_FLOW.search(str(w.message)) and not os.path.abspath(w.filename).startswith(_TORCH_DIR)]
+    watch = _Watch()
+    data, caught, flat = _trace(module, leaves, spec, verbose, watch)
     for w in caught:
         logger.debug("ORTModule: export of %s: %s: %s (%s:%d)", what, w.category.__name__, w.message, w.filename,
                      w.lineno)
-    if sites:
-        try:
-            other, _, _ = _trace(module, [_other_values(x) for x in leaves], spec, False)
-        except ExportError:
-            other = None  # the module takes no such values: nothing to compare
-        if other is not None and _structure(other) != _structure(data):
-            where = "; ".join(sorted({f"{w.filename}:{w.lineno}" for w in sites}))
-            raise ExportError(
-                f"{what} uses Python control flow on tensor values ({where}: {_first_lines(str(sites[0].message), 1)}): "
-                "the graph traced for other input values differs, so no single exported graph computes it. Make the "
-                "branch depend on shapes or module attributes only (or use torch.where), or pass fallback=True to "
-                "ORTModule to run the module in PyTorch")
+    if watch.value_reads:
+        raise ExportError(
+            f"{what} reads a tensor's value into Python at {watch.value_reads[0]}"
+            + (f" (and {len(watch.value_reads) - 1} more places)" if len(watch.value_reads) > 1 else "")
+            + ": the exported graph would keep what that value was while tracing as a constant (Python control "
+            "flow on tensor values). Compute with tensors instead (torch.where, masks), or pass fallback=True to "
+            "ORTModule to run the module in PyTorch")
     # A size turned into a Python number becomes a constant: where any code did that, trace
     # again with one more row (and, for integer inputs such as token ids, one more column).
     sized = None
@@ -112,10 +137,13 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False) -
         if other is not None and _structure(other) != _structure(data):
             sized = "a graph traced with other input sizes differs"
     model = onnx.load_from_string(data)
-    return _exported(model, module, leaves, flat, sized)
+    exported = _exported(model, module, leaves, flat, sized)
+    exported.functions = watch.functions
+    exported.torch_exported = data if keep_torch_export else None
+    return exported
 
 
-def _trace(module, leaves, spec, verbose: bool):
+def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
     """torch.onnx.export of the call with these leaves: the model bytes, the warnings, and
     the wrapper that recorded the output's structure."""
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -124,7 +152,7 @@ def _trace(module, leaves, spec, verbose: bool):
     flat.training = module.training  # the exporter restores the wrapper's mode on its children
     f = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
-    with warnings.catch_warnings(record=True) as caught, _untouched(module):
+    with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch or _Watch()):
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
@@ -138,16 +166,6 @@ def _trace(module, leaves, spec, verbose: bool):
                 "part of the module with supported operators, or pass fallback=True to ORTModule to run the "
                 "module in PyTorch") from exc
     return f.getvalue(), list(caught), flat
-
-
-def _other_values(x):
-    """Same shape, dtype and range, other values: floats negated, integers and booleans in
-    reverse order."""
-    if not isinstance(x, torch.Tensor) or x.numel() < 2 and not x.is_floating_point():
-        return x
-    if x.is_floating_point() or x.is_complex():
-        return (-x).detach().clone().requires_grad_(x.requires_grad)
-    return x.flatten().flip(0).reshape(x.shape).clone()
 
 
 def _other_sizes(x):
@@ -198,7 +216,8 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat, sized: str | 
         del model.graph.value_info[:]  # the tracer's symbolic shapes: inferred again from the inputs
     return Exported(model=model, inputs={n: names.index(n) for n in names if n in {i.name for i in inputs}},
                     state=fed, outputs=[o.name for o in model.graph.output if not o.name.startswith(RUNNING)],
-                    out_spec=flat.out_spec, out_leaves=flat.out_leaves, running=running, batch_counters=counters,
+                    out_spec=flat.out_spec, out_leaves=flat.out_leaves, differentiable=flat.differentiable,
+                    running=running, batch_counters=counters,
                     fixed_sizes=fixed, stop_gradients=stops, shapes=tuple(tuple(t.shape) for t in tensors))
 
 
@@ -326,6 +345,117 @@ def _untouched(module: torch.nn.Module):
         torch.random.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+# Tensor methods that hand a tensor's value to Python.
+_TO_PYTHON = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__")
+# Traced operators whose result depends on their input's shape only.
+_SHAPE_OPS = frozenset({"aten::size", "aten::sym_size", "aten::numel", "aten::dim", "aten::_shape_as_tensor",
+                        "aten::len", "prim::shape"})
+
+
+@dataclasses.dataclass
+class _Watch:
+    """What the module's code did while it was traced (each entry says what and where)."""
+
+    value_reads: list[str] = dataclasses.field(default_factory=list)
+    functions: list[str] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _watching(watch: _Watch):
+    """Record, into ``watch``, the places where the traced code hands a tensor's value to
+    Python and the ``torch.autograd.Function`` classes it applies; make ``torch.max``/``torch.min``
+    along a dimension return values gathered at their indices.
+
+    The tensor methods that turn a value into a Python object (``_TO_PYTHON``) and
+    ``Function.apply`` (the classmethod every Function subclass calls, unless it overrides
+    ``apply`` without calling it) are replaced on their classes for the duration of the trace; the replacements record only on the tracing
+    thread (the tracer's state is per thread) and then call the originals. A conversion counts
+    when the traced value depends on the values of the graph inputs (the call's tensors,
+    parameters, buffers) or on random numbers; one computed from sizes only (``int(x.shape[0])``)
+    does not: other sizes are checked by tracing again (see ``export``).
+
+    The tracer exports ``max(x, dim)`` as ReduceMax (plus ArgMax when the indices are used), whose
+    gradient splits among ties; PyTorch sends the whole gradient to the returned index. Values
+    gathered at the indices (ArgMax and GatherElements) have PyTorch's gradient."""
+    def conversion(name, original):
+        def method(self, *args, **kwargs):
+            if torch._C._get_tracing_state() is not None and _reads_values(self):
+                watch.value_reads.append(f"{_where(sys._getframe(1))} (Tensor.{name})")
+            return original(self, *args, **kwargs)
+        return method
+
+    def apply(cls, *args, **kwargs):
+        if torch._C._get_tracing_state() is not None:
+            watch.functions.append(f"{cls.__module__}.{cls.__qualname__} (applied at {_where(sys._getframe(1))})")
+        return original_apply.__func__(cls, *args, **kwargs)
+
+    original_apply = torch.autograd.Function.__dict__["apply"]
+    replaced = [(torch.autograd.Function, "apply", classmethod(apply))]
+    replaced += [(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name))) for name in _TO_PYTHON]
+    replaced += [(owner, name, _indexed(getattr(owner, name)))
+                 for owner in (torch, torch.Tensor) for name in ("max", "min")]
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replaced]
+    try:
+        for owner, name, value in replaced:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def _indexed(reduce):
+    """``reduce`` (max or min) whose values, along a dimension, are gathered at its indices."""
+    def call(x, *args, **kwargs):
+        result = reduce(x, *args, **kwargs)
+        if (not isinstance(result, tuple) or torch._C._get_tracing_state() is None or x.dim() == 0
+                or "out" in kwargs):
+            return result  # the whole tensor, elementwise, into given tensors, or not tracing
+        values, indices = result
+        dim = kwargs.get("dim", args[0] if args else None)
+        picked = indices if values.dim() == x.dim() else indices.unsqueeze(dim)
+        gathered = x.gather(dim, picked)
+        return type(result)((gathered if values.dim() == x.dim() else gathered.squeeze(dim), indices))
+    return call
+
+
+def _reads_values(t: torch.Tensor) -> bool:
+    """Whether the traced value of ``t`` depends on the values of the graph inputs or on random
+    numbers, rather than only on shapes and constants."""
+    try:
+        pending = [torch._C._get_value_trace(t)]
+    except RuntimeError:
+        return False  # not traced: a constant
+    seen = set()
+    while pending:
+        value = pending.pop()
+        if value.unique() in seen:
+            continue
+        seen.add(value.unique())
+        node = value.node()
+        kind = node.kind()
+        if kind in ("prim::Param", "prim::GetAttr") or kind.startswith("aten::") and node.isNondeterministic():
+            return True
+        if kind not in _SHAPE_OPS:
+            pending.extend(node.inputs())
+    return False
+
+
+def _where(frame) -> str:
+    """file:line of the module's code that made the call: the innermost frame outside torch,
+    else the innermost one (torch's own code)."""
+    first = None
+    while frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        first = first or frame
+        if not os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return f"{first.f_code.co_filename}:{first.f_lineno}" if first is not None else "an unknown place"
 
 
 def _state_names(module: torch.nn.Module) -> dict[str, str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import inspect
 import warnings
 
@@ -10,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import GradBuilderError, InvalidArgumentError
-from .export import ExportError, export
+from .export import ExportError, Output, export
 from .options import DebugOptions, logger
 from .runner import Compiled, ORTFunction
 
@@ -30,8 +33,11 @@ class ORTModule(torch.nn.Module):
     backward graph (see ``gradbuilder.split``); later calls with that signature reuse them,
     whatever their batch and sequence sizes. Parameters and buffers stay the wrapped module's
     own tensors: ``parameters()``, ``state_dict()``, ``load_state_dict()``, ``to()``, optimizers and
-    schedulers work on them unchanged. Forward and backward hooks on the ORTModule itself run; hooks on
-    inner modules do not (their code runs in onnxruntime).
+    schedulers work on them unchanged; ``forward``'s signature is the module's; attributes set and
+    parameters, buffers and modules registered on the ORTModule go to the module (and the next call
+    compiles again). While wrapped, the module's own ``forward`` runs through the ORTModule too, so
+    a method of the module that calls ``self(x)`` runs in onnxruntime. Forward and backward hooks
+    on the ORTModule itself run; hooks on inner modules do not (their code runs in onnxruntime).
 
     ``fallback=True`` runs the module in PyTorch, with a warning, for a signature whose export or
     gradient graph fails; by default that raises an error naming the operator or construct.
@@ -49,6 +55,8 @@ class ORTModule(torch.nn.Module):
             raise InvalidArgumentError("the module is already an ORTModule")
         if not isinstance(module, torch.nn.Module):
             raise InvalidArgumentError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module.__dict__.get("forward"), _RoutedForward):
+            raise InvalidArgumentError("the module is already wrapped by another ORTModule: wrap it once")
         super().__init__()
         self.module = module
         self._debug = debug_options if debug_options is not None else DebugOptions()
@@ -57,9 +65,21 @@ class ORTModule(torch.nn.Module):
         self._session_options = session_options
         self._compiled: dict = {}  # signature -> Compiled, "fallback", or {input shapes: Compiled}
         self._exports = 0
+        self._saved_files = collections.Counter()  # debug files written, per mode
+        self._running_module = False  # the module's own forward runs (tracing, fallback)
+        self._loading_prefix = None
+        module.forward = _RoutedForward(self, module.__dict__.get("forward"))
+        self.register_load_state_dict_post_hook(_state_dict_names)
 
     # ------------------------------------------------------------------ the module's face
-    def forward(self, *args, **kwargs):
+    @functools.cached_property
+    def forward(self):
+        """Runs the module's forward and backward in onnxruntime; its signature is the module's
+        forward's (tools read it: transformers' Trainer keeps the dataset columns it names).
+        Assigning ``forward`` replaces it, as on any module."""
+        return _Forward(self)
+
+    def _run(self, *args, **kwargs):
         _refuse_data_parallel(self)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         params = dict(self.module.named_parameters())
@@ -68,7 +88,7 @@ class ORTModule(torch.nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in params.values())
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
-        key = _signature(leaves, spec, self.module.training, needs_grad, params, device)
+        key = _signature(leaves, spec, self.module.training, needs_grad, params, buffers, device)
         shapes = _shapes(leaves)
         compiled = self._compiled.get(key)
         if isinstance(compiled, dict):  # a graph per input shape (see below)
@@ -80,7 +100,8 @@ class ORTModule(torch.nn.Module):
             else:
                 self._compiled[key] = compiled
         if compiled == "fallback":
-            return self.module(*args, **kwargs)
+            with self._module_runs():
+                return self.module(*args, **kwargs)
         try:
             return self._call(compiled, leaves, params, buffers)
         except _OrtFail as exc:
@@ -89,7 +110,7 @@ class ORTModule(torch.nn.Module):
             # The graph fixed a size our check did not see: compile for this shape and retry.
             self._per_shape(key, f"onnxruntime failed on input shapes {list(shapes)} with the graph traced for "
                                  f"{list(compiled.exported.shapes)}: {str(exc).splitlines()[0][:300]}")
-            return self.forward(*args, **kwargs)
+            return self._run(*args, **kwargs)
 
     def _per_shape(self, key, why: str) -> dict:
         """Make the signature ``key`` compile once per input shape; its graphs so far stay with the
@@ -104,26 +125,56 @@ class ORTModule(torch.nn.Module):
     def _compile(self, leaves, spec, params, needs_grad, device):
         number = self._exports
         self._exports += 1
-        logger.info("ORTModule: exporting %s for a new input signature (%d so far)", type(self.module).__name__, number)
+        what = type(self.module).__name__
+        logger.info("ORTModule: exporting %s for a new input signature (%d so far)", what, number)
+        self._warn_constants(leaves, spec)
         try:
-            with torch.no_grad():
-                exported = export(self.module, leaves, spec, verbose=self._debug.log_level == 0)
+            # traced under the call's grad mode: the outputs then require grad as in PyTorch
+            with torch.set_grad_enabled(needs_grad), self._module_runs():
+                exported = export(self.module, leaves, spec, verbose=self._debug.log_level == 0,
+                                  keep_torch_export=self._debug.save_onnx)
+            if needs_grad and exported.functions:
+                raise ExportError(
+                    f"{what} applies the torch.autograd.Function {exported.functions[0]}: torch's exporter "
+                    "exports its forward only (inlined, or as the op its symbolic() names), so the gradient would not "
+                    "be the one its backward defines. "
+                    "Pass fallback=True to ORTModule to run the module in PyTorch, or write that part with "
+                    "ordinary torch operations")
             wrt = []
             if needs_grad:
                 tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
                 wrt = [n for n, i in exported.inputs.items()
                        if tensors[i].requires_grad and tensors[i].is_floating_point()]
                 wrt += [n for n, s in exported.state.items() if s in params and params[s].requires_grad]
-            return Compiled(exported, wrt, device, self._debug, number, self._session_options)
+            return Compiled(exported, wrt, device, self._debug, number, self._session_options, self._saved_files)
         except GradBuilderError as exc:
             if not self._fallback:
                 if isinstance(exc, ExportError):
                     raise
-                raise type(exc)(f"ORTModule({type(self.module).__name__}): {exc}. Pass fallback=True to ORTModule "
+                raise type(exc)(f"ORTModule({what}): {exc}. Pass fallback=True to ORTModule "
                                 "to run the module in PyTorch") from exc
-            warnings.warn(f"ORTModule: running {type(self.module).__name__} in PyTorch for this input signature: "
-                          f"{exc}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"ORTModule: running {what} in PyTorch for this input signature: "
+                          f"{exc}", RuntimeWarning, stacklevel=6)
             return "fallback"
+
+    def _warn_constants(self, leaves, spec) -> None:
+        """A str argument is part of the exported graph, not an input of it: say so."""
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(value, str):
+                where = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
+                warnings.warn(f"ORTModule: {type(self.module).__name__} takes the str {value!r} ({where}), which the "
+                              "exported graph holds as a constant: each other value exports the module again",
+                              UserWarning, stacklevel=7)
+
+    @contextlib.contextmanager
+    def _module_runs(self):
+        """The module's own forward runs in PyTorch (tracing, fallback), not through the ORTModule."""
+        running, self._running_module = self._running_module, True
+        try:
+            yield
+        finally:
+            self._running_module = running
 
     @property
     def exports(self) -> int:
@@ -145,8 +196,7 @@ class ORTModule(torch.nn.Module):
                     buffers[ex.running[out]].copy_(value)
                 for counter in ex.batch_counters:
                     buffers[counter].add_(1)
-        it = iter(outs[:n])
-        flat = [next(it) if x is None else x for x in ex.out_leaves]
+        flat = [outs[x.index] if isinstance(x, Output) else x for x in ex.out_leaves]
         return pytree.tree_unflatten(flat, ex.out_spec)
 
     # Parameters, buffers and state_dict are the wrapped module's, under its own names.
@@ -162,6 +212,43 @@ class ORTModule(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        # A parent's load_state_dict reaches the module as this ORTModule's child "module", while
+        # state_dict() wrote its keys without that name: move them under it (and name missing keys
+        # without it afterwards, in _state_dict_names).
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+        self._loading_prefix = prefix
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    # Attributes, parameters, buffers and modules given to the ORTModule are the module's.
+    def __setattr__(self, name: str, value):
+        if name == "module" and "module" in self._modules:
+            raise InvalidArgumentError("ORTModule.module cannot be replaced: wrap the new module in a new ORTModule")
+        if name.startswith("_") or name in ("module", "training") or hasattr(type(self), name) \
+                or "module" not in self._modules:
+            super().__setattr__(name, value)
+        else:
+            setattr(self.module, name, value)
+            self._compiled.clear()  # the module's code may read it
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        self.module.register_buffer(name, tensor, persistent)
+        self._compiled.clear()
+
+    def register_parameter(self, name: str, param) -> None:
+        self.module.register_parameter(name, param)
+        self._compiled.clear()
+
+    def add_module(self, name: str, module) -> None:
+        self.module.add_module(name, module)
+        self._compiled.clear()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_compiled"] = {}  # onnxruntime sessions are not copied: a copy compiles again
+        return state
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
@@ -173,6 +260,53 @@ class ORTModule(torch.nn.Module):
 
     def _replicate_for_data_parallel(self):
         raise InvalidArgumentError(_DATA_PARALLEL)
+
+
+class _Forward:
+    """``ORTModule.forward``: calls the ORTModule's run, with the module's forward's signature."""
+
+    def __init__(self, owner: ORTModule):
+        self.owner = owner
+
+    def __call__(self, *args, **kwargs):
+        return self.owner._run(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.owner.module.forward)
+
+
+class _RoutedForward:
+    """The wrapped module's ``forward`` while it is wrapped: a call of the module (``self(x)`` in
+    one of its methods) runs through the ORTModule, as with onnxruntime-training's ORTModule;
+    the module's own forward (``own``: an instance attribute it had, else its class's) runs when
+    the ORTModule runs it in PyTorch."""
+
+    def __init__(self, owner: ORTModule, own=None):
+        self.owner = owner
+        self.own = own
+
+    def _forward(self):
+        module = self.owner.module
+        return self.own if self.own is not None else type(module).forward.__get__(module)
+
+    def __call__(self, *args, **kwargs):
+        if self.owner._running_module:
+            return self._forward()(*args, **kwargs)
+        return self.owner(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._forward())
+
+
+def _state_dict_names(module: ORTModule, incompatible) -> None:
+    """Missing keys under this ORTModule's child "module" are named as state_dict() names them."""
+    prefix, module._loading_prefix = module._loading_prefix, None
+    if prefix is not None:
+        inner = prefix + "module."
+        incompatible.missing_keys[:] = [prefix + k[len(inner):] if k.startswith(inner) else k
+                                        for k in incompatible.missing_keys]
 
 
 _DATA_PARALLEL = ("ORTModule does not support torch.nn.DataParallel; use "
@@ -202,12 +336,13 @@ def _device_of(leaves, params, buffers) -> torch.device:
     return torch.device("cpu")
 
 
-def _signature(leaves, spec, training: bool, needs_grad: bool, params, device) -> tuple:
+def _signature(leaves, spec, training: bool, needs_grad: bool, params, buffers, device) -> tuple:
     parts = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             parts.append(("tensor", x.dim(), x.dtype, x.device, x.requires_grad))
         else:
             parts.append(("value", type(x).__name__, repr(x)))
-    return (str(spec), tuple(parts), training, needs_grad, tuple(p.requires_grad for p in params.values()),
-            tuple(p.dtype for p in params.values()), device)
+    state = tuple((n, p.requires_grad, p.dtype, p.shape) for n, p in params.items())
+    return (str(spec), tuple(parts), training, needs_grad, state,
+            tuple((n, b.dtype, b.shape) for n, b in buffers.items()), device)

@@ -4,15 +4,15 @@ DLPack views of the same memory, on CPU and CUDA alike."""
 
 from __future__ import annotations
 
+import collections
+
 import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 import onnxruntime.capi._pybind_state as _C
 import torch
 from torch.autograd.function import once_differentiable
 
 from .. import providers as _providers
-from ..registry import FLOAT_TYPES
 from ..split import SplitGraphs, build_split
 from .export import Exported
 from .options import DebugOptions, logger
@@ -47,11 +47,13 @@ def _providers_for(device: torch.device):
 
 
 class Compiled:
-    """The sessions of one signature. ``backward`` is None when no gradient is needed: the
-    forward graph is then the exported model itself."""
+    """The sessions of one signature. ``backward`` is None when no gradient is needed (``wrt``
+    empty, or no output requires grad): the forward graph is then the exported model itself.
+    ``saved_files`` counts the signatures whose debug files were written, per mode."""
 
     def __init__(self, exported: Exported, wrt: list[str], device: torch.device, debug: DebugOptions,
-                 number: int, session_options: ort.SessionOptions | None = None):
+                 number: int, session_options: ort.SessionOptions | None = None,
+                 saved_files: collections.Counter | None = None):
         self.exported = exported
         providers, options, self.ort_device = _providers_for(device)
         so = _providers.options_with(session_options, log_severity_level=int(debug.log_level))
@@ -63,18 +65,19 @@ class Compiled:
             # transformer's forward + backward took 1.5x as long).
             so.add_session_config_entry(_SPINNING, "0")
         self.split: SplitGraphs | None = None
-        if wrt:
-            self.split = build_split(exported.model, wrt, outputs=self._float_outputs(),
-                                     stop_gradients=exported.stop_gradients)
+        outputs = list(dict.fromkeys(n for n, d in zip(exported.outputs, exported.differentiable) if d))
+        if wrt and outputs:
+            self.split = build_split(exported.model, wrt, outputs=outputs, stop_gradients=exported.stop_gradients,
+                                     keep_gradient_graph=debug.save_onnx)
             forward, backward = self.split.forward, self.split.backward
             for name in self.split.no_gradient:
                 logger.info("ORTModule: the outputs do not depend on '%s': its gradient is None", name)
         else:
             forward, backward = exported.model, None
         if debug.save_onnx:
-            for kind, proto in (("exported", exported.model), ("forward", forward), ("backward", backward)):
-                if proto is not None:
-                    onnx.save(proto, debug.path(f"{number}_{kind}"))
+            saved_files = saved_files if saved_files is not None else collections.Counter()
+            saved_files[self.mode] += 1
+            self._save(debug, saved_files[self.mode], forward, backward)
         self.forward_session = ort.InferenceSession(forward.SerializeToString(), so, providers=providers,
                                                     provider_options=options)
         self.backward_session = (None if backward is None else ort.InferenceSession(
@@ -84,12 +87,35 @@ class Compiled:
         if backward is not None:
             self.backward_inputs = [i.name for i in self.backward_session.get_inputs()]
             self.backward_outputs = [o.name for o in self.backward_session.get_outputs()]
+            # the call's tensors and outputs the backward reads (the rest it reads is saved values)
+            self.reads = set(self.backward_inputs) - set(self.split.seeds) - set(self.split.saved)
+            # each backward seed takes the sum of the gradients of the outputs it stands for
+            self.seed_outputs = {seed: [i for i, (n, d) in enumerate(zip(exported.outputs, exported.differentiable))
+                                        if n == out and d] for seed, out in self.split.seeds.items()}
         logger.info("ORTModule: compiled signature %d (%d forward inputs, %d saved values, backward: %s)",
                     number, len(self.forward_inputs), len(self.split.saved) if self.split else 0, backward is not None)
 
-    def _float_outputs(self) -> list[str]:
-        types = {o.name: o.type.tensor_type.elem_type for o in self.exported.model.graph.output}
-        return [n for n in self.exported.outputs if types.get(n) and ir.DataType(types[n]) in FLOAT_TYPES]
+    @property
+    def mode(self) -> str:
+        return "training" if self.split is not None else "inference"
+
+    def _save(self, debug: DebugOptions, count: int, forward, backward) -> None:
+        """The files onnxruntime-training's ORTModule writes, under its names: what torch's exporter
+        wrote, the model the gradient graph is built from, the gradient graph, and the graphs that
+        run (the backward graph's file adds ``backward`` to the name)."""
+        ex = self.exported
+        files = {"torch_exported": ex.torch_exported, "optimized_pre_grad": ex.model,
+                 "optimized": self.split.gradient_graph if self.split is not None else ex.model,
+                 "execution_model": forward, "execution_model_backward": backward}
+        for name, model in files.items():
+            if model is None:
+                continue
+            path = debug.path(name, self.mode, count)
+            if isinstance(model, bytes):
+                with open(path, "wb") as f:
+                    f.write(model)
+            else:
+                onnx.save(model, path)
 
     # ------------------------------------------------------------------ running
     def _run(self, session, feeds: dict[str, ort.OrtValue], outputs: list[str]) -> dict[str, ort.OrtValue]:
@@ -111,7 +137,11 @@ class Compiled:
 
 class ORTFunction(torch.autograd.Function):
     """forward(ctx, compiled, names, *tensors): ``names[i]`` is the graph input fed by
-    ``tensors[i]``; returns the module's output tensors, then the running statistics."""
+    ``tensors[i]``; returns the module's output tensors, then the running statistics.
+
+    The call's tensors and the outputs that the backward reads go through
+    ``ctx.save_for_backward``: autograd then refuses a backward after one of them was modified
+    in place, as it does for PyTorch's own operators."""
 
     @staticmethod
     def forward(ctx, compiled: Compiled, names: list[str], *tensors):
@@ -119,10 +149,15 @@ class ORTFunction(torch.autograd.Function):
         results = compiled.forward(feeds)
         ex = compiled.exported
         outs = [to_torch(results[n]) for n in ex.outputs] + [to_torch(results[n]) for n in ex.running]
-        ctx.compiled, ctx.names = compiled, names
-        ctx.feeds, ctx.results = feeds, results
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()],
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, ex.differentiable) if not d],
                                     *outs[len(ex.outputs):])
+        ctx.compiled, ctx.names = compiled, names
+        if compiled.split is not None:
+            saved = [(n, t) for n, t in zip(names, tensors) if n in compiled.reads]
+            saved += [(n, o) for n, o in zip(ex.outputs, outs) if n in compiled.reads]
+            ctx.saved_names = [n for n, _ in saved]
+            ctx.save_for_backward(*[t for _, t in saved])
+            ctx.results = {n: results[n] for n in compiled.split.saved}
         return tuple(outs)
 
     @staticmethod
@@ -130,17 +165,12 @@ class ORTFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         compiled: Compiled = ctx.compiled
         split = compiled.split
-        ex = compiled.exported
-        feeds = dict(ctx.feeds)
+        feeds = {n: to_ort(t) for n, t in zip(ctx.saved_names, ctx.saved_tensors)}
         feeds.update(ctx.results)
-        index = {n: i for i, n in enumerate(ex.outputs)}
-        for seed, out in split.seeds.items():
-            g = grads[index[out]]
-            if g is None:
-                g = torch.zeros_like(to_torch(ctx.results[out]))
-            feeds[seed] = to_ort(g)
+        for seed, positions in compiled.seed_outputs.items():
+            feeds[seed] = to_ort(sum(grads[i] for i in positions))
         results = compiled.backward(feeds)
-        ctx.feeds = ctx.results = None  # free the saved activations
+        ctx.results = None  # free the saved activations
         out = [None, None]
         for name, needs in zip(ctx.names, ctx.needs_input_grad[2:]):
             grad = split.gradients.get(name)

@@ -208,3 +208,73 @@ def _replace_concat(graph: ir.Graph, concat: ir.Node, stacked: ir.Value, element
     out.name = unique(name + "_unused")
     result.outputs[0].name = name
     graph.remove(concat, safe=True)
+
+
+_INDEX_OF = {"ReduceMax": "ArgMax", "ReduceMin": "ArgMin"}
+
+
+def indexed_max_as_gather(graph: ir.Graph, opset: int, unique) -> ir.Graph:
+    """``torch.max(x, dim)`` (and ``min``) with its indices used is exported as ReduceMax and
+    ArgMax of the same ``x`` along the same single axis. PyTorch sends the values' gradient to
+    the returned index only, where ReduceMax's splits it among ties: the values become
+    GatherElements(x, ArgMax(x, axis, keepdims=1)) (squeezed when keepdims=0), with the
+    ArgMax's ``select_last_index``. A ReduceMax without such an ArgMax (``torch.amax``, or
+    ``torch.max(x, dim)`` whose indices nothing reads) keeps its own gradient."""
+    index_nodes: dict[tuple, ir.Node] = {}
+    for node in graph:
+        if node.op_type in ("ArgMax", "ArgMin") and node.domain in ("", "ai.onnx"):
+            index_nodes.setdefault((node.op_type, id(node.inputs[0]), _axis(node, attr(node, "axis", 0))), node)
+    for node in list(graph):
+        if node.op_type not in _INDEX_OF or node.domain not in ("", "ai.onnx"):
+            continue
+        axes = attr(node, "axes") if len(node.inputs) < 2 else constant_of(node.inputs[1])
+        if axes is None or len(np.ravel(axes)) != 1:
+            continue
+        x = node.inputs[0]
+        axis = _axis(node, int(np.ravel(axes)[0]))
+        index_node = index_nodes.get((_INDEX_OF[node.op_type], id(x), axis))
+        if index_node is None or axis is None:
+            continue
+        _as_gather(graph, node, index_node, axis, opset, unique)
+    return graph
+
+
+def _axis(node: ir.Node, axis: int) -> int | None:
+    """``axis`` of ``node``'s first input made non-negative; None when its rank is unknown."""
+    shape = node.inputs[0].shape
+    if axis >= 0:
+        return axis
+    return axis % len(shape) if shape is not None else None
+
+
+def _as_gather(graph: ir.Graph, reduce: ir.Node, index_node: ir.Node, axis: int, opset: int, unique) -> None:
+    x, out = reduce.inputs[0], reduce.outputs[0]
+    base = reduce.name or out.name
+    index = ir.Node("", index_node.op_type, [x], [ir.AttrInt64("axis", axis), ir.AttrInt64("keepdims", 1),
+                    ir.AttrInt64("select_last_index", attr(index_node, "select_last_index", 0))],
+                    name=unique(f"{base}_index"))
+    gather = ir.Node("", "GatherElements", [x, index.outputs[0]], [ir.AttrInt64("axis", axis)],
+                     name=unique(f"{base}_at_index"))
+    kept = ir.Shape([1 if k == axis else d for k, d in enumerate(x.shape)]) if x.shape is not None else None
+    for node, dtype in ((index, ir.DataType.INT64), (gather, x.dtype)):
+        node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = unique(node.name), dtype, kept
+    nodes, result = [index, gather], gather.outputs[0]
+    if not attr(reduce, "keepdims", 1):
+        if opset >= 13:
+            axes = ir.Value(name=unique(f"{base}_axes"), const_value=ir.tensor(np.array([axis], np.int64)))
+            nodes.append(ir.Node("", "Constant", [], [ir.AttrTensor("value", axes.const_value)], outputs=[axes],
+                                 name=unique(f"{base}_axes")))
+            squeeze = ir.Node("", "Squeeze", [result, axes], name=unique(f"{base}_squeeze"))
+        else:
+            squeeze = ir.Node("", "Squeeze", [result], [ir.AttrInt64s("axes", [axis])], name=unique(f"{base}_squeeze"))
+        nodes.append(squeeze)
+        result = squeeze.outputs[0]
+        result.name = unique(f"{base}_squeezed")
+    copy_type(result, out)
+    graph.insert_before(reduce, nodes)
+    name = out.name
+    out.replace_all_uses_with(result, replace_graph_outputs=True)
+    if result.is_graph_output():  # the graph output keeps its name
+        out.name = unique(name + "_unused")
+        result.name = name
+    graph.remove(reduce, safe=True)

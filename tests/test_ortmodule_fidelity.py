@@ -1,0 +1,337 @@
+"""ORTModule does what the wrapped module does in PyTorch, or refuses with a clear error."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+
+from gradbuilder.ortmodule import ExportError, ORTModule
+
+from .torch_models import compare_with_torch
+
+
+def _quiet():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+
+
+def _pair(module: torch.nn.Module, **options):
+    """(the module, an ORTModule of a copy of it)."""
+    _quiet()
+    return module, ORTModule(copy.deepcopy(module), **options)
+
+
+def _grads(module: torch.nn.Module) -> dict:
+    return {n: p.grad for n, p in module.named_parameters()}
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, then=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 3)
+        self.then = then
+
+    def forward(self, x):
+        y = self.lin(x)
+        return self.then(y) if self.then is not None else y
+
+
+# ----------------------------------------------------------------------------- outputs
+class Twice(Linear):
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y, y.detach()
+
+
+def test_a_tensor_returned_twice_takes_both_gradients_and_a_detached_one_none():
+    ref, om = _pair(Twice())
+    x = torch.randn(4, 3)
+    for model in (ref, om):
+        a, b, c = model(x)
+        assert a is b and not c.requires_grad
+        (2 * a.sum() + 4 * b.pow(2).sum() + c.sum()).backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g)
+
+
+class WithNone(Linear):
+    def forward(self, x):
+        return self.lin(x), None, {"none": None, "y": torch.tanh(x)}
+
+
+def test_none_among_the_outputs():
+    ref, om = _pair(WithNone())
+    x = torch.randn(2, 3)
+    a, none, d = om(x)
+    assert none is None and d["none"] is None
+    a_ref, _, d_ref = ref(x)
+    torch.testing.assert_close(a, a_ref)
+    torch.testing.assert_close(d["y"], d_ref["y"])
+
+
+class ArgmaxOnly(Linear):
+    def forward(self, x):
+        return self.lin(x).argmax(dim=-1)
+
+
+def test_an_integer_output_alone_is_a_tensor_without_grad():
+    ref, om = _pair(ArgmaxOnly())
+    x = torch.randn(5, 3)
+    out = om(x)
+    assert out.dtype == torch.int64 and not out.requires_grad
+    torch.testing.assert_close(out, ref(x))
+
+
+# ----------------------------------------------------------------------------- in-place changes
+def test_changing_an_output_in_place_before_backward_raises_where_pytorch_does():
+    """Tanh's gradient reads its output: changed in place, PyTorch refuses the backward, and so
+    do we; a Linear's gradient does not read its output, so both allow it."""
+    x = torch.randn(4, 3)
+    for model in _pair(Linear(torch.tanh)):
+        y = model(x)
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    ref, om = _pair(Linear())
+    for model in (ref, om):
+        y = model(x)
+        y.add_(1)
+        y.pow(2).sum().backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g)
+
+
+def test_changing_an_input_the_backward_reads_raises_where_pytorch_does():
+    """The weight's gradient reads the Linear's input."""
+    for model in _pair(Linear()):
+        x = torch.randn(4, 3)
+        y = model(x)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+# ----------------------------------------------------------------------------- autograd Functions
+class StraightThrough(torch.autograd.Function):
+    """Rounds in the forward, passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Quantized(Linear):
+    def forward(self, x):
+        return StraightThrough.apply(self.lin(x)) * 2
+
+
+def test_an_autograd_function_is_refused_naming_it_or_runs_in_pytorch_with_fallback():
+    x = torch.randn(4, 3)
+    ref, om = _pair(Quantized())
+    with pytest.raises(ExportError, match=r"torch.autograd.Function .*StraightThrough \(applied at "
+                                          r".*test_ortmodule_fidelity.py:\d+\).*fallback=True"):
+        om(x)
+    with torch.no_grad():  # no backward to honour: the exported forward runs
+        torch.testing.assert_close(om(x), ref(x))
+    ref, om = _pair(Quantized(), fallback=True)
+    with pytest.warns(RuntimeWarning, match="StraightThrough"):
+        out = om(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g)
+    assert om.module.lin.weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- tensor values in Python
+class RepeatByValue(Linear):
+    def forward(self, x):
+        n = int(x.abs().sum().item()) % 3 + 1
+        for _ in range(n):
+            x = self.lin(x)
+        return x
+
+
+class BranchOnBuffer(Linear):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ready", torch.tensor(False))
+
+    def forward(self, x):
+        if not self.ready:
+            return self.lin(x) * 0.5
+        return self.lin(x)
+
+
+class LayerDrop(Linear):
+    def forward(self, x):
+        if self.training and torch.rand(()) < 0.5:
+            return x
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("module, method", [(RepeatByValue, "item"), (BranchOnBuffer, "__bool__"),
+                                            (LayerDrop, "__bool__")])
+def test_a_tensor_value_read_into_python_is_refused_with_its_place(module, method):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    _, om = _pair(module())
+    line = next(i for i, text in enumerate(inspect.getsource(module.forward).splitlines())
+                if "item()" in text or "if " in text) + module.forward.__code__.co_firstlineno
+    with pytest.raises(ExportError, match=rf"test_ortmodule_fidelity.py:{line} \(Tensor.{method}\).*fallback=True"):
+        om(x)
+
+
+def test_a_tensor_value_read_into_python_runs_in_pytorch_with_fallback():
+    ref, om = _pair(RepeatByValue(), fallback=True)
+    x = torch.randn(2, 3)
+    with pytest.warns(RuntimeWarning, match=r"Tensor.item"):
+        torch.testing.assert_close(om(x), ref(x))
+    for scale in (0.1, 1.0, 3.0):  # the values that set the loop count change
+        x = torch.randn(2, 3) * scale
+        torch.testing.assert_close(om(x), ref(x))
+
+
+# ----------------------------------------------------------------------------- max and min
+class MaxMin(torch.nn.Module):
+    def forward(self, x):
+        values, indices = torch.max(x, 1)
+        low = x.min(dim=0, keepdim=True).values  # indices unused
+        high = x.max(-1)[0]
+        return values * (indices + 1), low * 3, high.pow(2)
+
+
+def test_max_and_min_along_a_dim_send_the_gradient_to_the_returned_index():
+    _quiet()
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 1.0, 2.0], [1.0, 4.0, 1.0, 4.0]])
+    grads = []
+    for model in (MaxMin(), ORTModule(MaxMin())):
+        xg = x.clone().requires_grad_()
+        outs = model(xg)
+        sum(o.sum() for o in outs).backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+class TiedMax(torch.nn.Module):
+    """A loss of ``op(w * x, 1)``'s values and indices, with ties in the rows of ``w``."""
+
+    def __init__(self, op, keepdim):
+        super().__init__()
+        self.op, self.keepdim = op, keepdim
+        self.w = torch.nn.Parameter(torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 1.0, 2.0], [1.0, 4.0, 1.0, 4.0]]))
+
+    def forward(self, x):
+        values, indices = self.op(self.w * x, 1, keepdim=self.keepdim)
+        return (values * values * (indices + 1)).sum()
+
+
+@pytest.mark.parametrize("op, keepdim, opset", [(torch.max, False, 17), (torch.max, True, 18),
+                                                (torch.min, False, 18), (torch.min, True, 17)])
+def test_gradient_graph_of_an_exported_max_with_indices_matches_pytorch(op, keepdim, opset):
+    """ReduceMax and ArgMax of the same input and axis (torch.max(x, dim) exported by the
+    TorchScript exporter) take PyTorch's gradient: all of it at the returned index."""
+    compare_with_torch(TiedMax(op, keepdim), (torch.ones(3, 4),), ["x"], dynamo=False, opset=opset, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the wrapper is transparent
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 3)
+        self.scale = 1.0
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        y = self.lin(input_ids) * self.scale
+        if getattr(self, "bias2", None) is not None:
+            y = y + self.bias2
+        return y
+
+    def predict(self, x):
+        return self(x).argmax(-1)
+
+
+def test_forward_signature_is_the_modules():
+    om = ORTModule(Scaled())
+    assert inspect.signature(om.forward) == inspect.signature(Scaled().forward)
+    assert list(inspect.signature(om.forward).parameters) == ["input_ids", "attention_mask", "labels"]
+    om.forward = lambda input_ids: input_ids * 2  # replaced, as on any module
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(om(x), x * 2)
+
+
+def test_attributes_parameters_and_buffers_set_on_the_wrapper_are_the_modules():
+    ref, om = _pair(Scaled())
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(om(x), ref(x))
+    for model in (ref, om):
+        model.scale = 3.0
+        model.bias2 = torch.nn.Parameter(torch.ones(3))
+    assert om.module.scale == 3.0 and "bias2" in dict(om.named_parameters()) and "bias2" in om.state_dict()
+    out = om(x)
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(om.module.bias2.grad, ref.bias2.grad)
+    om.register_buffer("steps", torch.zeros(()))
+    assert [n for n, _ in om.named_buffers()] == ["steps"] and "steps" in om.state_dict()
+    assert om.module.steps is dict(om.named_buffers())["steps"]
+
+
+def test_a_method_that_calls_self_runs_through_the_ortmodule():
+    ref, om = _pair(Scaled())
+    x = torch.randn(4, 3)
+    assert torch.equal(om.predict(x), ref.predict(x))
+    assert om.exports == 1
+    assert type(om.module(x).grad_fn).__name__ == "ORTFunctionBackward"
+
+
+def test_a_parent_module_round_trips_its_state_dict():
+    _quiet()
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(Scaled(), torch.nn.BatchNorm1d(3))
+    parent = torch.nn.Sequential(ORTModule(copy.deepcopy(plain[0])), torch.nn.BatchNorm1d(3))
+    state = plain.state_dict()
+    assert list(parent.state_dict()) == list(state)
+    with torch.no_grad():
+        for t in state.values():
+            t.add_(1)  # other values, same keys
+    parent.load_state_dict(state)
+    for key, value in parent.state_dict().items():
+        torch.testing.assert_close(value, state[key])
+    del state["0.lin.bias"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.lin.bias"'):
+        parent.load_state_dict(state)
+
+
+def test_a_compiled_ortmodule_can_be_copied():
+    ref, om = _pair(Scaled())
+    x = torch.randn(2, 3)
+    om(x)
+    other = copy.deepcopy(om)
+    torch.testing.assert_close(other(x), ref(x))
+    assert other.module.forward.owner is other
+
+
+# ----------------------------------------------------------------------------- constants
+def test_a_str_argument_is_a_constant_and_says_so():
+    class Tagged(Linear):
+        def forward(self, x, mode="sum"):
+            y = self.lin(x)
+            return y.sum(0) if mode == "sum" else y.mean(0)
+
+    ref, om = _pair(Tagged())
+    x = torch.randn(3, 3)
+    with pytest.warns(UserWarning, match=r"str 'mean' \(kwargs\['mode'\]\).*constant"):
+        out = om(x, mode="mean")
+    torch.testing.assert_close(out, ref(x, mode="mean"))
