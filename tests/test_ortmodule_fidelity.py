@@ -201,6 +201,145 @@ def test_a_tensor_value_read_into_python_runs_in_pytorch_with_fallback():
         torch.testing.assert_close(om(x), ref(x))
 
 
+# ----------------------------------------------------------------------------- detach and grad mode
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+
+
+class DetachedBranch(TwoLayers):
+    """b reads a's output cut from its gradient; the sum reads it whole."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        y = self.a(x)
+        if self.how == "detach":
+            cut = y.detach()
+        elif self.how == "torch.detach":
+            cut = torch.detach(y)
+        elif self.how == "data":
+            cut = y.data
+        else:  # detach_, on a copy of y
+            cut = y * 1
+            cut.detach_()
+        return self.b(cut) + y
+
+
+def _same_gradients(ref, om, *args, batches=((4, 3), (4, 3), (6, 3))):
+    """Outputs and parameter gradients of both for a few batches (new values, new sizes)."""
+    for shape in batches:
+        x = torch.randn(*shape)
+        for model in (ref, om):
+            model.zero_grad()
+            model(x, *args).pow(2).sum().backward()
+        torch.testing.assert_close(om(x, *args), ref(x, *args))
+        for name, g in _grads(ref).items():
+            torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+
+
+@pytest.mark.parametrize("how", ["detach", "torch.detach", "data", "detach_"])
+def test_a_detached_tensor_takes_no_gradient_as_in_pytorch(how):
+    _same_gradients(*_pair(DetachedBranch(how)))
+
+
+class ParameterData(TwoLayers):
+    def forward(self, x):
+        return self.a(x) + x @ self.b.weight.data.t()
+
+
+def test_a_parameters_data_follows_its_value_and_takes_no_gradient():
+    ref, om = _pair(ParameterData())
+    _same_gradients(ref, om)
+    for model in (ref, om):
+        with torch.no_grad():
+            model.b.weight.mul_(2)  # an optimizer step: .data is read again, not a constant
+    _same_gradients(ref, om)
+    assert om.exports == 1
+
+
+class GradModeOff(TwoLayers):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x):
+        if self.mode == "set_grad_enabled":
+            off = torch.set_grad_enabled(False)
+        else:
+            off = getattr(torch, self.mode)()
+        with off:
+            gate = torch.sigmoid(self.b(x)).mean(dim=-1, keepdim=True)
+        gate = gate.clone()  # an inference tensor can not be saved for the backward
+        return self.a(x) * gate + self.b(x)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "set_grad_enabled", "inference_mode"])
+def test_a_computation_with_grad_mode_off_inside_forward_takes_no_gradient(mode):
+    _same_gradients(*_pair(GradModeOff(mode)))
+
+
+class BufferFromWeight(TwoLayers):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3, 3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen.copy_(self.a.weight)  # written from a tensor that requires grad
+        return self.a(x) + x @ self.seen
+
+
+def test_a_buffer_written_with_grad_off_from_a_parameter_gives_it_no_gradient():
+    _same_gradients(*_pair(BufferFromWeight()))
+
+
+class DetachedIds(TwoLayers):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+
+    def forward(self, x, ids):
+        mask = (ids > 0).float().unsqueeze(-1)
+        h = self.emb(ids.detach()) * mask.detach()  # neither requires grad: nothing to cut
+        return self.a(x + h) + self.b(self.a(x).detach())
+
+
+def test_detaching_integer_ids_and_a_mask_is_fine_beside_a_detached_activation():
+    ref, om = _pair(DetachedIds())
+    ids = torch.tensor([[0, 1, 2, 4], [3, 0, 1, 1], [2, 2, 0, 1], [4, 3, 2, 1]])
+    _same_gradients(ref, om, ids, batches=((4, 4, 3), (4, 4, 3)))
+    compiled = next(iter(om._compiled.values()))
+    assert len(compiled.exported.stop_gradients) == 1  # the activation's detach only
+
+
+class ChangedInPlaceWithoutGrad(TwoLayers):
+    def forward(self, x):
+        y = self.a(x)
+        with torch.no_grad():
+            y.mul_(2)  # PyTorch's gradient does not see this
+        return self.b(y)
+
+
+def test_changing_a_tensor_that_requires_grad_in_place_with_grad_off_is_refused_or_falls_back():
+    x = torch.randn(4, 3)
+    _, om = _pair(ChangedInPlaceWithoutGrad())
+    line = ChangedInPlaceWithoutGrad.forward.__code__.co_firstlineno + 3
+    with pytest.raises(ExportError, match=rf"test_ortmodule_fidelity.py:{line} \(Tensor.mul_ .*fallback=True"):
+        om(x)
+    ref, om = _pair(ChangedInPlaceWithoutGrad(), fallback=True)
+    with pytest.warns(RuntimeWarning, match="Tensor.mul_"):
+        om(x).sum().backward()
+    ref(x).sum().backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g)
+
+
 # ----------------------------------------------------------------------------- max and min
 class MaxMin(torch.nn.Module):
     def forward(self, x):

@@ -16,9 +16,15 @@ calls, whose forward the exporter keeps and whose backward it drops; and it make
 ``torch.max``/``torch.min`` along a dimension take their values at their indices, so that the
 gradient goes to the index as in PyTorch.
 
+The exporter drops what cuts a gradient in PyTorch (``detach()`` becomes the identity, a
+``torch.no_grad()`` block inside the forward leaves no trace). ``_GradientStops`` marks, while
+the forward is traced with grad enabled, every value PyTorch's autograd cuts off: a floating
+result that does not require grad computed from a tensor that does. The marks become
+Identity nodes whose outputs are ``Exported.stop_gradients``.
+
 Training-mode BatchNormalization also returns its new running statistics (outputs
-``running/<buffer name>``), computed as PyTorch does: ONNX's running variance uses the biased
-batch variance, PyTorch's the unbiased one.
+``running/<buffer name>``, ``passes.running_stats.expose_running_statistics``), computed as
+PyTorch does: ONNX's running variance uses the biased batch variance, PyTorch's the unbiased one.
 """
 
 from __future__ import annotations
@@ -33,14 +39,20 @@ import threading
 import warnings
 
 import onnx
+import onnx_ir as ir
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from ..errors import GradBuilderError
+from ..modelio import to_ir
+from ..passes.running_stats import expose_running_statistics
+from ..registry import Emitter
 from .options import logger
 
 OPSET = 17
 RUNNING = "running/"
+STOP_DOMAIN = "gradbuilder.ortmodule"  # the traced marks of values no gradient flows through
 
 
 class ExportError(GradBuilderError):
@@ -76,11 +88,12 @@ class _Flat(torch.nn.Module):
     """The module as a function of its call's tensor leaves, returning its output's distinct
     tensors; records the output's structure and which tensors require grad."""
 
-    def __init__(self, module, leaves, spec):
+    def __init__(self, module, leaves, spec, watch: _Watch):
         super().__init__()
         self.inner = module
         self._leaves = leaves
         self._spec = spec
+        self._watch = watch
         self.out_spec = None
         self.out_leaves = None
         self.differentiable = None
@@ -89,7 +102,10 @@ class _Flat(torch.nn.Module):
         it = iter(tensors)
         leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        out = self.inner(*args, **kwargs)
+        # without grad the graph runs forward only: nothing to cut
+        stops = _GradientStops(self._watch) if torch.is_grad_enabled() else contextlib.nullcontext()
+        with stops:
+            out = self.inner(*args, **kwargs)
         flat, self.out_spec = pytree.tree_flatten(out)
         distinct: list[torch.Tensor] = []
         self.out_leaves = []
@@ -119,6 +135,14 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     for w in caught:
         logger.debug("ORTModule: export of %s: %s: %s (%s:%d)", what, w.category.__name__, w.message, w.filename,
                      w.lineno)
+    if watch.in_place:
+        raise ExportError(
+            f"{what} changes a tensor in place with grad mode off at {watch.in_place[0]}"
+            + (f" (and {len(watch.in_place) - 1} more places)" if len(watch.in_place) > 1 else "")
+            + ": the exported graph cannot keep the gradient out of that change as PyTorch does (PyTorch's gradient "
+            "does not see the change of a tensor that requires grad; a view written from a tensor that requires "
+            "grad cannot be cut). Make the change out of place, or pass fallback=True to ORTModule to run the "
+            "module in PyTorch")
     if watch.value_reads:
         raise ExportError(
             f"{what} reads a tensor's value into Python at {watch.value_reads[0]}"
@@ -136,6 +160,8 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
             other = None  # the module takes no other sizes: nothing to compare
         if other is not None and _structure(other) != _structure(data):
             sized = "a graph traced with other input sizes differs"
+    for place in dict.fromkeys(watch.stops):
+        logger.info("ORTModule: export of %s: no gradient flows through %s", what, place)
     model = onnx.load_from_string(data)
     exported = _exported(model, module, leaves, flat, sized)
     exported.functions = watch.functions
@@ -148,11 +174,12 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
     the wrapper that recorded the output's structure."""
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     names = [f"input_{i}" for i in range(len(tensors))]
-    flat = _Flat(module, leaves, spec)
+    watch = watch or _Watch()
+    flat = _Flat(module, leaves, spec, watch)
     flat.training = module.training  # the exporter restores the wrapper's mode on its children
     f = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
-    with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch or _Watch()):
+    with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch):
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
@@ -202,8 +229,9 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat, sized: str | 
     inputs = [i for i in model.graph.input if i.name in fed or i.name in names]
     del model.graph.input[:]
     model.graph.input.extend(inputs)
-    running, counters = _running_stats(model, fed, module)
-    stops = _embedding_padding(model, fed, module)
+    stops = _gradient_stops(model)
+    model, running, counters = _running_stats(model, fed, module)
+    stops += _embedding_padding(model, fed, module)
     _drop_zero_dropouts(model)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     fixed = sized or _fixed_sizes(model, {d for t in tensors for d in t.shape if d > 1})
@@ -360,6 +388,8 @@ class _Watch:
 
     value_reads: list[str] = dataclasses.field(default_factory=list)
     functions: list[str] = dataclasses.field(default_factory=list)
+    stops: list[str] = dataclasses.field(default_factory=list)  # where a gradient was cut
+    in_place: list[str] = dataclasses.field(default_factory=list)  # changes autograd does not see
 
 
 @contextlib.contextmanager
@@ -387,7 +417,7 @@ def _watching(watch: _Watch):
         return method
 
     def apply(cls, *args, **kwargs):
-        if torch._C._get_tracing_state() is not None:
+        if torch._C._get_tracing_state() is not None and cls is not _StopGradient:
             watch.functions.append(f"{cls.__module__}.{cls.__qualname__} (applied at {_where(sys._getframe(1))})")
         return original_apply.__func__(cls, *args, **kwargs)
 
@@ -424,6 +454,124 @@ def _indexed(reduce):
     return call
 
 
+class _StopGradient(torch.autograd.Function):
+    """The identity, traced as the node ``STOP_DOMAIN::StopGradient`` (attribute ``where``: the
+    place that cut the gradient), which ``_gradient_stops`` turns into an Identity no gradient
+    flows through. Applied only to tensors that do not require grad."""
+
+    @staticmethod
+    def forward(ctx, x, where):
+        return x.view_as(x)
+
+    @staticmethod
+    def symbolic(g, x, where):
+        out = g.op(f"{STOP_DOMAIN}::StopGradient", x, where_s=where)
+        out.setType(x.type())
+        return out
+
+
+_DATA = torch.Tensor.data.__get__  # equal (==) to the getter a TorchFunctionMode sees for ``t.data``
+
+
+class _GradientStops(TorchFunctionMode):
+    """Active while the module's forward is traced with grad enabled. Where PyTorch's autograd
+    cuts a gradient, the result is marked with ``_StopGradient``: a floating tensor that does
+    not require grad although an input of the call that made it does. That is
+    ``detach()``, ``torch.detach``, ``.data``, ``detach_()`` and every call made with grad mode
+    off (``torch.no_grad()``, ``torch.set_grad_enabled(False)``, ``torch.inference_mode()``);
+    calls that make new tensors (``zeros_like``) are marked too, harmlessly. ``detach_()`` has
+    the tensor's traced value replaced by the mark. An in-place change with grad off
+    (``buffer.copy_(y)``) reads marks of the tensors that require grad. Recorded in
+    ``watch.in_place`` instead: one of a tensor that requires grad (PyTorch's gradient does not
+    see it), and one of a view from a tensor that requires grad (the mark would come between
+    the view and the write, and the exporter drops such a write).
+
+    ``t.data`` is traced as ``t.detach()`` (the tracer would keep its value as a constant).
+    A Python function that handles the mode itself (``F.multi_head_attention_forward``) is one
+    call: cuts inside it are not seen."""
+
+    def __init__(self, watch: _Watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._get_tracing_state() is None:
+            return func(*args, **kwargs)
+        data = func == _DATA
+        if data:
+            func = torch.Tensor.detach
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not any(t.requires_grad for t in inputs):
+            return func(*args, **kwargs)
+        what = "Tensor.data" if data else _call_name(func)
+        grad = torch.is_grad_enabled()
+        where = None
+
+        def cut(t):
+            return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not t.requires_grad
+
+        def mark(t):
+            nonlocal where
+            if where is None:
+                where = f"{_where(sys._getframe(1))} ({what}{'' if grad else ' with grad mode off'})"
+                self.watch.stops.append(where)
+            return _StopGradient.apply(t, where)
+
+        changed = _changed_in_place(func, args, kwargs)
+        if changed and not grad:
+            if any(t.requires_grad for t in changed):
+                self.watch.in_place.append(f"{_where(sys._getframe(1))} ({what} of a tensor that requires grad)")
+                return func(*args, **kwargs)
+            if any(t._base is not None for t in changed):
+                # the exporter drops a write into a view taken before its source is computed
+                self.watch.in_place.append(f"{_where(sys._getframe(1))} ({what} of a view, from a tensor that "
+                                           "requires grad)")
+                return func(*args, **kwargs)
+            # what it writes comes from marks of the tensors that require grad
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: mark(t.detach()) if t.requires_grad else t, (args, kwargs))
+            return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        for t in changed:  # detach_()
+            if cut(t):
+                torch._C._set_value_trace(t, torch._C._get_value_trace(mark(t)))
+
+        def new_cut(t):
+            return cut(t) and not any(t is i for i in inputs)
+
+        if not any(new_cut(t) for t in pytree.tree_leaves(result)):
+            return result  # as it is (a torch.Size stays one)
+        return pytree.tree_map_only(torch.Tensor, lambda t: mark(t) if new_cut(t) else t, result)
+
+
+def _call_name(func) -> str:
+    """``Tensor.detach``, ``torch.norm``, ``Tensor.data``: how the module's code names ``func``."""
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, type(torch.Tensor.data)):  # a property's getter
+        return f"Tensor.{owner.__name__}"
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    for prefix, public in (("TensorBase.", "Tensor."), ("_VariableFunctionsClass.", "torch.")):
+        if qualname.startswith(prefix):
+            return public + qualname.removeprefix(prefix)
+    module = getattr(func, "__module__", None) or "torch"
+    if module.startswith("torch._C"):  # torch's bindings: named as the public modules name them
+        module = "torch.nn.functional" if module == "torch._C._nn" else "torch"
+    return qualname if "." in qualname else f"{module}.{qualname}"
+
+
+def _changed_in_place(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` writes: its first argument for a method named ``x_``, ``__ix__``
+    or ``__setitem__``, and ``out=``."""
+    name = getattr(func, "__name__", "")
+    written = []
+    if args and isinstance(args[0], torch.Tensor) and (
+            name.endswith("_") and not name.startswith("__") or name.startswith("__i") or name == "__setitem__"):
+        written.append(args[0])
+    written += [t for t in pytree.tree_leaves(kwargs.get("out")) if isinstance(t, torch.Tensor)]
+    return written
+
+
 def _reads_values(t: torch.Tensor) -> bool:
     """Whether the traced value of ``t`` depends on the values of the graph inputs or on random
     numbers, rather than only on shapes and constants."""
@@ -447,13 +595,16 @@ def _reads_values(t: torch.Tensor) -> bool:
 
 
 def _where(frame) -> str:
-    """file:line of the module's code that made the call: the innermost frame outside torch,
-    else the innermost one (torch's own code)."""
+    """file:line of the module's code that made the call: the innermost frame outside torch and
+    this package (whose wrappers it passes through, up to the traced forward), else the
+    innermost one in torch (torch's own code)."""
     first = None
-    while frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        first = first or frame
-        if not os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    while frame is not None and frame.f_code is not _Flat.forward.__code__:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE_DIR):
+            first = first or frame
+            if not path.startswith(_TORCH_DIR):
+                return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return f"{first.f_code.co_filename}:{first.f_lineno}" if first is not None else "an unknown place"
 
@@ -471,76 +622,50 @@ def _first_lines(text: str, n: int = 6) -> str:
     return " ".join(text.strip().splitlines()[:n])
 
 
-def _running_stats(model: onnx.ModelProto, fed: dict[str, str], module) -> tuple[dict[str, str], list[str]]:
-    """Expose each training-mode BatchNormalization's new running mean and variance as graph
-    outputs, the variance made unbiased as in PyTorch."""
-    h = onnx.helper
+def _gradient_stops(model: onnx.ModelProto) -> list[str]:
+    """The traced marks of ``_StopGradient`` as Identity nodes (the place in their doc string);
+    returns their outputs' names."""
+    stops = []
+    for i, node in enumerate(model.graph.node):
+        if node.domain == STOP_DOMAIN and node.op_type == "StopGradient":
+            where = next((a.s.decode() for a in node.attribute if a.name == "where"), "")
+            model.graph.node[i].CopyFrom(onnx.helper.make_node("Identity", list(node.input), list(node.output),
+                                                               name=node.name, doc_string=where))
+            stops.append(node.output[0])
+    kept = [o for o in model.opset_import if o.domain != STOP_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return stops
+
+
+def _running_stats(model: onnx.ModelProto, fed: dict[str, str],
+                   module) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    """Each training-mode BatchNormalization's new running mean and variance (the variance
+    unbiased, as in PyTorch) as graph outputs ``running/<buffer>``
+    (``passes.running_stats.expose_running_statistics``); the model, graph output -> buffer,
+    and the num_batches_tracked buffers beside them."""
+    if not any(n.op_type == "BatchNormalization" for n in model.graph.node):
+        return model, {}, []
+    ir_model = to_ir(model)
+    graph = ir_model.graph
+    opset = ir_model.opset_imports.get("", OPSET)
+    e = Emitter(graph, opset)
     running: dict[str, str] = {}
     counters: list[str] = []
-    nodes = []
     buffers = dict(module.named_buffers())
-    for node in model.graph.node:
-        nodes.append(node)
-        training = any(a.name == "training_mode" and a.i for a in node.attribute)
-        if node.op_type != "BatchNormalization" or not training or len(node.input) < 5:
+    updates = expose_running_statistics(graph, e, opset, unbiased=True)
+    for old, new in updates:
+        if old.name not in fed:  # a constant, not a buffer of the module
             continue
-        mean_in, var_in = node.input[3], node.input[4]
-        if mean_in not in fed or var_in not in fed:
-            continue
-        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
-        p = f"{node.name or node.output[0]}/running"
-        # onnxruntime writes the new statistics over the buffers given as inputs 3 and 4: give
-        # it copies, so that the buffers keep their old values for the variance below.
-        nodes[-1:] = [
-            h.make_node("Constant", [], [p + "_unit"], value=h.make_tensor(p + "_unit_t", onnx.TensorProto.FLOAT, [], [1.0])),
-            h.make_node("CastLike", [p + "_unit", var_in], [p + "_unit_x"]),
-            h.make_node("Mul", [mean_in, p + "_unit_x"], [p + "_mean_copy"]),
-            h.make_node("Mul", [var_in, p + "_unit_x"], [p + "_var_copy"]),
-            node,
-        ]
-        node.input[3], node.input[4] = p + "_mean_copy", p + "_var_copy"
-        while len(node.output) < 3:
-            node.output.append("")
-        if not node.output[1]:
-            node.output[1] = p + "_mean_raw"
-        if not node.output[2]:
-            node.output[2] = p + "_var_raw"
-        mean_out, var_out = RUNNING + fed[mean_in], RUNNING + fed[var_in]
-        # PyTorch: var_new = m*var + (1-m)*var_b*n/(n-1); ONNX gives v = m*var + (1-m)*var_b,
-        # so var_new = (v*n - m*var) / (n-1), with n = elements per channel.
-        nodes += [
-            h.make_node("Identity", [node.output[1]], [mean_out]),
-            h.make_node("Shape", [node.input[0]], [p + "_shape"]),
-            h.make_node("ReduceProd", [p + "_shape"], [p + "_numel"], keepdims=0),
-            h.make_node("Shape", [node.input[0]], [p + "_c"], start=1, end=2),
-            h.make_node("Squeeze", [p + "_c"], [p + "_c0"]),
-            h.make_node("Div", [p + "_numel", p + "_c0"], [p + "_n_int"]),
-            h.make_node("CastLike", [p + "_n_int", node.output[2]], [p + "_n"]),
-            h.make_node("Constant", [], [p + "_one"], value=h.make_tensor(p + "_one_t", onnx.TensorProto.FLOAT, [], [1.0])),
-            h.make_node("Constant", [], [p + "_m"], value=h.make_tensor(p + "_m_t", onnx.TensorProto.FLOAT, [], [momentum])),
-            h.make_node("CastLike", [p + "_one", node.output[2]], [p + "_one_x"]),
-            h.make_node("CastLike", [p + "_m", node.output[2]], [p + "_m_x"]),
-            h.make_node("Mul", [node.output[2], p + "_n"], [p + "_vn"]),
-            h.make_node("Mul", [var_in, p + "_m_x"], [p + "_mv"]),
-            h.make_node("Sub", [p + "_vn", p + "_mv"], [p + "_num"]),
-            h.make_node("Sub", [p + "_n", p + "_one_x"], [p + "_den"]),
-            h.make_node("Div", [p + "_num", p + "_den"], [var_out]),
-        ]
-        for out, buf in ((mean_out, fed[mean_in]), (var_out, fed[var_in])):
-            running[out] = buf
-            t = buffers[buf]
-            model.graph.output.append(h.make_tensor_value_info(out, _onnx_dtype(t.dtype), list(t.shape)))
-        counter = fed[mean_in].removesuffix("running_mean") + "num_batches_tracked"  # the same module's
-        if counter in buffers:
+        buffer = fed[old.name]
+        name = RUNNING + buffer
+        if new.is_graph_output() or new.is_graph_input():
+            new = e.Identity(new)
+        new.name = name
+        new.dtype, new.shape = old.dtype, ir.Shape(list(buffers[buffer].shape))
+        graph.outputs.append(new)
+        running[name] = buffer
+        counter = buffer.removesuffix("running_mean") + "num_batches_tracked"  # the same module's
+        if buffer.endswith("running_mean") and counter in buffers:
             counters.append(counter)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    return running, counters
-
-
-_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
-           torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE}
-
-
-def _onnx_dtype(dtype) -> int:
-    return _DTYPES[dtype]
+    return ir.to_proto(ir_model), running, counters
