@@ -144,7 +144,8 @@ def walk(
     # 1. Forward: values that depend (through float values) on one of ``wrt``.
     reached: set[ir.Value] = set(wrt)
     for node in nodes:
-        if any(v in reached for v in inputs_of[id(node)] if v is not None):
+        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
+        if any(v in reached for i, v in enumerate(inputs_of[id(node)]) if v is not None and i not in stops_here):
             for out in node.outputs:
                 if is_float(out) and out not in stop_gradients:
                     reached.add(out)

@@ -21,6 +21,7 @@ from .passes import named_output
 from .passes.expose_masks import expose_dropout_masks
 from .passes.running_stats import expose_running_statistics, restore_training_mode
 from .passes.store_trips import store_loop_trips
+from .passes.vector_products import vector_products_without_transpose
 from .registry import FLOAT_TYPES, Emitter, dims_of
 
 KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
@@ -130,6 +131,7 @@ class GradientGraphBuilder:
         restore_training_mode(graph, opset, e.unique)
         expose_dropout_masks(graph, e.unique)
         buffers = self._expose_buffers(model, e, opset, weights) if self.running_statistics else []
+        vector_products_without_transpose(graph, e.unique)
         store_loop_trips(graph, weights, e.unique)
         if self.mixed_precision is not None:
             from .passes.mixed_precision import autocast
@@ -285,8 +287,11 @@ def _require_ranks(inputs, outputs) -> None:
     for v in outputs:
         if isinstance(v.type, ir.TensorType) and v.shape is None:
             producer = v.producer()
-            origin = (f" (computed by {producer.op_type} node '{producer.name}')" if producer is not None and producer.name
-                      else f" (computed by an unnamed {producer.op_type} node)" if producer is not None else "")
+            origin = ""
+            if producer is not None and producer.name:
+                origin = f" (computed by {producer.op_type} node '{producer.name}')"
+            elif producer is not None:
+                origin = f" (computed by an unnamed {producer.op_type} node)"
             raise InvalidModelError(
                 f"output '{v.name}'{origin} has a rank onnx shape inference could not find; onnx.checker "
                 "requires a shape on every graph output and the written model must pass it. Declare its shape "

@@ -76,6 +76,7 @@ def register_stop_gradient_edges(edges, op_type: str, domain: str = "") -> None:
 
 
 def stop_gradient_edges(domain: str, op_type: str) -> frozenset[int]:
+    load_rules()  # the rule modules declare the built-in ones
     return _STOP_EDGES.get((_norm_domain(domain), op_type), frozenset())
 
 
@@ -153,6 +154,27 @@ def constant_of(value: ir.Value | None) -> np.ndarray | None:
 
 
 # ----------------------------------------------------------------------------- shapes
+
+
+def unknown_rank(value: ir.Value, op: str) -> GradientRuleError:
+    """The error of a rule that needs the rank of ``value``, which shape inference (with data
+    propagation) left unknown: it names the value, where it comes from, and what to declare."""
+    producer = value.producer()
+    if producer is not None:
+        origin = (f"computed by {producer.op_type} node '{producer.name}'" if producer.name
+                  else f"computed by an unnamed {producer.op_type} node")
+        fix = ("declare its shape (at least its rank) with a value_info entry, or give that node "
+               "what fixes its output's rank (Squeeze's axes, Reshape's shape as a constant)")
+    elif value.is_graph_input():
+        origin = "a graph input"
+        fix = "declare the input's shape, with symbolic names (e.g. 'batch') for sizes that vary"
+    else:
+        origin = "a value of an enclosing graph"
+        fix = "declare its shape (at least its rank) with a value_info entry"
+    return GradientRuleError(
+        f"the {op} gradient needs the rank of '{value.name}' ({origin}), which onnx shape inference "
+        f"could not find; {fix}"
+    )
 
 
 Dim = "int | str | None"

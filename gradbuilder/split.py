@@ -32,6 +32,7 @@ from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
 from .passes.expose_masks import expose_dropout_masks
 from .passes.store_trips import store_loop_trips
+from .passes.vector_products import vector_products_without_transpose
 from .registry import FLOAT_TYPES, Emitter
 
 SEED_SUFFIX = "_grad_output"
@@ -99,6 +100,7 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str], keep
     indexed_max_as_gather(graph, opset, e.unique)
     expose_dropout_masks(graph, e.unique)
     wrt_values = [inputs[n] for n in wrt]
+    vector_products_without_transpose(graph, e.unique)
     store_loop_trips(graph, wrt_values, e.unique)
     forward_ids = {id(n) for n in graph}
 

@@ -53,23 +53,44 @@ def _or_zeros(grads: dict, v: ir.Value, sub) -> ir.Value:
     return grad if grad is not None else sub.zeros_like(v)
 
 
-def _as_outputs(g: ir.Graph, grads: list[ir.Value], likes: list[ir.Value], sub) -> None:
-    """Set ``grads`` as ``g``'s outputs: each produced inside ``g``, distinct, typed like ``likes``."""
+def _as_outputs(g: ir.Graph, grads: list[ir.Value], likes: list[ir.Value], sub, shapes=None) -> None:
+    """Set ``grads`` as ``g``'s outputs: each produced inside ``g``, distinct, typed like ``likes``
+    (shaped ``shapes`` where given)."""
     outputs = []
-    for grad, like in zip(grads, likes):
+    for k, (grad, like) in enumerate(zip(grads, likes)):
         if grad.producer() is None or grad.producer().graph is not g or grad in outputs:
             grad = sub.Identity(grad)  # a subgraph output must be produced inside the subgraph
         sub._set(grad, like.dtype, None)
-        if like.shape is not None:
-            grad.shape = like.shape
+        shape = shapes[k] if shapes is not None else like.shape
+        if shape is not None:
+            grad.shape = shape
         outputs.append(grad)
     g.outputs.clear()
     g.outputs.extend(outputs)
 
 
-def _input_like(like: ir.Value, name: str) -> ir.Value:
+def _input_like(like: ir.Value, name: str, shape: ir.Shape | None = None) -> ir.Value:
     return ir.Value(name=name, type=ir.TensorType(like.dtype) if like.dtype is not None else None,
-                    shape=like.shape)
+                    shape=shape if shape is not None else like.shape)
+
+
+def _rank(*values) -> int | None:
+    """The rank of the first of ``values`` whose rank is known (a loop-carried value keeps
+    the rank of its initial value)."""
+    return next((len(v.shape) for v in values if v is not None and v.shape is not None), None)
+
+
+def _declared(like: ir.Value, rank: int | None) -> ir.Shape:
+    """The shape a backward Scan body output is declared with: onnxruntime's Scan needs a
+    rank for every body output. ``like``'s shape, else ``rank`` unknown sizes, else one axis
+    (a value of unknown rank travels flattened)."""
+    if like.shape is not None:
+        return like.shape
+    return ir.Shape([None] * rank if rank is not None else [None])
+
+
+def _flat(e, v: ir.Value) -> ir.Value:
+    return e.Reshape(v, e.ints([-1]))
 
 
 # ----------------------------------------------------------------------------- If
@@ -122,33 +143,60 @@ def _reverse_scan(n, e, at, *, carried, feeds, scan_seeds, slice_grads, outer):
     """
     body = n.attributes["body"].value
     index = {v: i for i, v in enumerate(body.inputs)}
+    fed = {i for i, _, _, _ in feeds}
+    # A carried value, outer value or scan input of unknown rank travels through the
+    # backward Scan flattened to one axis, and takes its shape back after it.
+    state_ranks = [_rank(in_, out, init) for in_, out, init, _ in carried]
+    outer_ranks = [_rank(v) for v in outer]
+    slice_ranks = [_rank(body.inputs[i]) if body.inputs[i].shape is not None
+                   else (r - 1 if (r := _rank(n.inputs[i])) is not None else None) for i, _, _ in slice_grads]
+    for (i, axis, _), r in zip(slice_grads, slice_ranks):
+        if r is None and axis != 0:
+            raise GradientRuleError(
+                f"the rank of scan input '{n.inputs[i].name}' is unknown and it is scanned along axis {axis}; "
+                "declare its shape (at least its rank) in the model")
+
     g = _clone(body, e, "bw")
     sub = e.child(g)
-
-    d_states = [_input_like(in_, e.unique(f"{in_.name}_dstate")) for in_, _, _, _ in carried]
-    d_outer = [_input_like(v, e.unique(f"{v.name}_dsum")) for v in outer]
-    fed = [g.inputs[i] for i, _, _, _ in feeds]
+    d_states = [_input_like(in_, e.unique(f"{in_.name}_dstate"), _declared(in_, r))
+                for (in_, _, _, _), r in zip(carried, state_ranks)]
+    d_outer = [_input_like(v, e.unique(f"{v.name}_dsum"), _declared(v, r)) for v, r in zip(outer, outer_ranks)]
+    fed_inputs = [g.inputs[i] for i, _, _, _ in feeds]
     d_slices = [_input_like(body.outputs[i], e.unique(f"{body.outputs[i].name}_dslice"))
                 for i, _, _, _ in scan_seeds]
 
     seeds: dict = {}
-    for (_, out, _, _), d in zip(carried, d_states):
-        _seed(seeds, g.outputs[body.outputs.index(out)], d, sub)
+    for (_, out, _, _), d, r in zip(carried, d_states, state_ranks):
+        target = g.outputs[body.outputs.index(out)]
+        _seed(seeds, target, d if r is not None else sub.Reshape(d, sub.Shape(target)), sub)
     for (i, _, _, _), d in zip(scan_seeds, d_slices):
         _seed(seeds, g.outputs[i], d, sub)
     wanted = [g.inputs[index[in_]] for in_, _, _, _ in carried]
     wanted += [g.inputs[i] for i, _, _ in slice_grads] + list(outer)
     grads = walk(g, list(dict.fromkeys(wanted)), seeds, sub.opset, sub)
 
-    new_states = [_or_zeros(grads, g.inputs[index[in_]], sub) for in_, _, _, _ in carried]
-    new_sums = [sub.Add(s, grads[v]) if v in grads else s for s, v in zip(d_outer, outer)]
-    slices = [_or_zeros(grads, g.inputs[i], sub) for i, _, _ in slice_grads]
+    def flat_unless(v, rank):
+        return v if rank is not None else _flat(sub, v)
+
+    new_states = []
+    for (in_, out, _, _), r in zip(carried, state_ranks):
+        v = g.inputs[index[in_]]
+        # a carried value the body never reads is not fed: its zeros take the body output's shape
+        grad = grads[v] if v in grads else sub.zeros_like(v if index[in_] in fed else
+                                                            g.outputs[body.outputs.index(out)])
+        new_states.append(flat_unless(grad, r))
+    new_sums = [sub.Add(s, flat_unless(grads[v], r)) if v in grads else s
+                for s, v, r in zip(d_outer, outer, outer_ranks)]
+    slices = [flat_unless(_or_zeros(grads, g.inputs[i], sub), r) for (i, _, _), r in zip(slice_grads, slice_ranks)]
     g.inputs.clear()
-    g.inputs.extend(d_states + d_outer + fed + d_slices)
-    _as_outputs(g, new_states + new_sums + slices,
-                [in_ for in_, _, _, _ in carried] + list(outer) + [body.inputs[i] for i, _, _ in slice_grads], sub)
+    g.inputs.extend(d_states + d_outer + fed_inputs + d_slices)
+    likes = [in_ for in_, _, _, _ in carried] + list(outer) + [body.inputs[i] for i, _, _ in slice_grads]
+    ranks = state_ranks + outer_ranks + slice_ranks
+    _as_outputs(g, new_states + new_sums + slices, likes, sub, [_declared(v, r) for v, r in zip(likes, ranks)])
 
     init_states, init_sums = _initial_states(at, carried, outer)
+    init_states = [v if r is not None else _flat(at, v) for v, r in zip(init_states, state_ranks)]
+    init_sums = [v if r is not None else _flat(at, v) for v, r in zip(init_sums, outer_ranks)]
     scanned = [(v, axis, 1 - d) for _, v, axis, d in feeds] + [(v, axis, 1 - d) for _, v, axis, d in scan_seeds]
     outs = at.op(
         "Scan", *init_states, *init_sums, *[v for v, _, _ in scanned],
@@ -161,8 +209,11 @@ def _reverse_scan(n, e, at, *, carried, feeds, scan_seeds, slice_grads, outer):
         scan_output_directions=[1 - d for _, _, d in slice_grads] or None,
     )
     outs = list(outs) if isinstance(outs, tuple) else [outs]
-    for o, like in zip(outs, [init for _, _, init, _ in carried] + list(outer)):
-        at._set(o, like.dtype, None)
+    outer_likes = [init for _, _, init, _ in carried] + list(outer) + [n.inputs[i] for i, _, _ in slice_grads]
+    for k, (like, r) in enumerate(zip(outer_likes, ranks)):
+        if r is None:  # back to the shape of the value it is the gradient of
+            outs[k] = at.Reshape(outs[k], at.Shape(like))
+        at._set(outs[k], like.dtype, None)
     k = len(carried)
     return outs[:k], outs[k + len(outer):], outs[k:k + len(outer)]
 

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.registry import attr, dims_of, register, unknown_rank
 from gradbuilder.rules.shape import is_static
 
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -168,7 +168,7 @@ def spatial_rank(n, *values) -> int:
     pads = attr(n, "pads")
     if pads:
         return len(pads) // 2
-    raise GradientRuleError(f"{n.op_type}: cannot tell the number of spatial axes; give the input a shape")
+    raise unknown_rank(values[0], n.op_type)
 
 
 def window_axes(e, n, x, y, kernel, pool: bool = False) -> list[Axis]:

@@ -11,23 +11,29 @@ import string
 
 import numpy as np
 
+import onnx_ir as ir
+
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, broadcast_dims, constant_of, dims_of, register
+from gradbuilder.registry import attr, broadcast_dims, constant_of, dims_of, register, unknown_rank
+from gradbuilder.rules.shape import INT64_MAX, iadd, isub, reshape_like, vec
 
 
 def _rank(v, op):
     dims = dims_of(v)
     if dims is None:
-        raise GradientRuleError(
-            f"{op} gradient needs the rank of input '{v.name}', which shape inference left unknown; "
-            "give the model's inputs a shape (at least their rank)"
-        )
+        raise unknown_rank(v, op)
     return len(dims)
 
 
 def _swap_last(e, v, rank):
-    """``v`` with its last two axes swapped."""
-    return e.Transpose(v, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
+    """``v`` with its last two axes swapped; of unknown rank, through a 3-D view of it."""
+    if rank is not None:
+        return e.Transpose(v, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
+    shape = e.Shape(v)
+    lead, rows, cols = (e.Slice(shape, e.ints([lo]), e.ints([hi])) for lo, hi in
+                        ((0, -2), (-2, -1), (-1, INT64_MAX)))
+    swapped = e.Transpose(e.Reshape(v, e.Concat(e.ints([-1]), rows, cols, axis=0)), perm=[0, 2, 1])
+    return e.Reshape(swapped, e.Concat(lead, cols, rows, axis=0))
 
 
 def _flat_shape(e, v):
@@ -35,8 +41,48 @@ def _flat_shape(e, v):
     d = dims_of(v)
     if d and isinstance(d[-1], int):
         return e.ints([-1, d[-1]])
-    last = e.Slice(e.Shape(v), e.ints([-1]), e.ints([np.iinfo(np.int64).max]))
+    last = e.Slice(e.Shape(v), e.ints([-1]), e.ints([INT64_MAX]))
     return e.Concat(e.ints([-1]), last, axis=0)
+
+
+def _as_matrix(e, v, rank, column: bool):
+    """``v`` with at least two axes, as MatMul reads it: a vector is a row (1, k), or a column
+    (k, 1) when ``column``. Of unknown rank, the missing axis is added at run time."""
+    if rank is not None:
+        return v if rank >= 2 else e.unsqueeze(v, [-1] if column else [0])
+    shape = e.Shape(v)
+    missing = e.Max(e.Sub(e.ints([2]), e.Shape(shape)), e.ints([0]))
+    ones = e.ConstantOfShape(missing, value=ir.tensor(np.array([1], dtype=np.int64)))
+    return e.Reshape(v, e.Concat(*((shape, ones) if column else (ones, shape)), axis=0))
+
+
+def _is_matrix(e, v, rank):
+    """1 when ``v`` has two or more axes (the product keeps its row or column axis), else 0."""
+    if rank is not None:
+        return int(rank >= 2)
+    return e.Cast(e.Greater(e.Shape(e.Shape(v)), e.ints([1])), to=int(ir.DataType.INT64))
+
+
+def _matmul_any_rank(e, a, b, dy, needs, ra, rb):
+    """The MatMul gradient when a rank is known only at run time: the operands as matrices
+    a2 (.., n, k) and b2 (.., k, m), dy as dy2 (.., n, m) (the axes a vector operand drops put
+    back), then da2 = dy2 @ b2^T and db2 = a2^T @ dy2, summed over the batch axes broadcasting
+    added and reshaped like a and b."""
+    a2, b2 = _as_matrix(e, a, ra, column=False), _as_matrix(e, b, rb, column=True)
+    dy_shape = e.Shape(dy)
+    kept = iadd(e, _is_matrix(e, a, ra), _is_matrix(e, b, rb))  # trailing axes of dy from a and b
+    batch = e.Slice(dy_shape, e.ints([0]), vec(e, isub(e, e.Shape(dy_shape), kept)))
+    rows = e.Slice(e.Shape(a2), e.ints([-2]), e.ints([-1]))
+    cols = e.Slice(e.Shape(b2), e.ints([-1]), e.ints([INT64_MAX]))
+    dy2 = e.Reshape(dy, e.Concat(batch, rows, cols, axis=0))
+    da = db = None
+    if needs[0]:
+        da = e.unbroadcast(e.MatMul(dy2, _swap_last(e, b2, None if rb is None else max(rb, 2))), a2)
+        da = da if a2 is a else reshape_like(e, da, a)
+    if needs[1]:
+        db = e.unbroadcast(e.MatMul(_swap_last(e, a2, None if ra is None else max(ra, 2)), dy2), b2)
+        db = db if b2 is b else reshape_like(e, db, b)
+    return da, db
 
 
 # ----------------------------------------------------------------------------- MatMul
@@ -46,16 +92,15 @@ def _flat_shape(e, v):
 def matmul(n, dys, needs, e):
     """y = a @ b (numpy matmul):  da = dy @ b^T,  db = a^T @ dy,  each summed over the batch
     axes that broadcasting added. A 1-D ``a`` acts as a row (1, k) and a 1-D ``b`` as a column
-    (k, 1); the axis they gain is dropped from ``dy`` and from their gradients."""
+    (k, 1); the axis they gain is dropped from ``dy`` and from their gradients. An operand whose
+    rank shape inference left unknown is made a matrix at run time."""
     a, b = n.inputs
     (dy,) = dys
     da_, db_ = dims_of(a), dims_of(b)
-    if (da_ is None or db_ is None) and 1 not in (len(da_ or ()), len(db_ or ())):
-        # A rank shape inference left unknown (a body whose ops read captured axes): batched
-        # matrices, da = dy @ b^T and db = a^T @ dy over broadcast batch axes.
-        return (e.unbroadcast(e.Einsum(dy, b, equation="...nm,...km->...nk"), a) if needs[0] else None,
-                e.unbroadcast(e.Einsum(a, dy, equation="...nk,...nm->...km"), b) if needs[1] else None)
-    ra, rb = _rank(a, "MatMul"), _rank(b, "MatMul")
+    if da_ is None or db_ is None:
+        return _matmul_any_rank(e, a, b, dy, needs, None if da_ is None else len(da_),
+                                None if db_ is None else len(db_))
+    ra, rb = len(da_), len(db_)
     if ra == 1 and rb == 1:  # dot product: y is a scalar
         return (e.Mul(dy, b) if needs[0] else None, e.Mul(dy, a) if needs[1] else None)
 

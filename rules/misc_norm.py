@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.registry import attr, dims_of, register, unknown_rank
 from gradbuilder.rules.conv import conv_transpose_fitted, dim, is_static, reshape, window_axes
 
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -32,7 +32,7 @@ def _rank(n, *values, fallback=None) -> int:
             return len(d)
     if fallback is not None:
         return fallback
-    raise GradientRuleError(f"{n.op_type}: the rank of the input is unknown; give the model's inputs a shape")
+    raise unknown_rank(values[0], n.op_type)
 
 
 def _mean(e, v, axes):

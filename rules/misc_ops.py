@@ -1,5 +1,12 @@
 """MaxRoiPool, and the ops whose float inputs have no (or a zero) derivative: MelWeightMatrix,
-EyeLike.
+EyeLike, and the random draws.
+
+The random draws are stop-gradient points: RandomNormalLike and RandomUniformLike read only
+their input's shape (and dtype), and Bernoulli's and Multinomial's draws are piecewise
+constant in their probabilities, so no gradient flows into their inputs. A draw is a
+constant of the step that made it: in a reparameterisation z = mu + exp(logvar / 2) * eps
+with eps = RandomNormalLike(mu), mu and logvar get their gradients through the Add and the
+Mul, with eps held fixed.
 
 MaxRoiPool (ai.onnx 1+): roi r = [batch, x1, y1, x2, y2] covers rows round(y1 * s) ..
 round(y2 * s) (at least one row; round half away from zero), split into pooled_h bins:
@@ -24,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, register
+from gradbuilder.registry import attr, register, register_stop_gradient_edges
 from gradbuilder.rules.indexing import _segment_sum
 from gradbuilder.rules.shape import Dims, imul, iprod, reshape_like, scalar_of
 
@@ -137,3 +144,7 @@ def eye_like(n, dys, needs, e):
     """y = ones on the k-th diagonal, shaped like x: y does not depend on x's values, so x
     gets no gradient (None: zero)."""
     return (None,)
+
+
+for _op in ("RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"):
+    register_stop_gradient_edges({0}, _op)

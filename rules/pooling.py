@@ -14,8 +14,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.registry import attr, dims_of, register, unknown_rank
 from gradbuilder.rules.conv import (
     add,
     conv_fitted,
@@ -41,7 +40,7 @@ def _rank(n, x, dy) -> int:
     ks = attr(n, "kernel_shape")
     if ks:
         return len(ks) + 2
-    raise GradientRuleError(f"{n.op_type}: the rank of the input is unknown; give the model's inputs a shape")
+    raise unknown_rank(x, n.op_type)
 
 
 def _planes(e, v, rank):

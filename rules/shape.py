@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -190,7 +190,7 @@ class Dims:
 
     def need_rank(self, op: str) -> int:
         if self.rank is None:
-            raise GradientRuleError(f"the {op} gradient needs the rank of input '{self.x.name}', which is unknown")
+            raise unknown_rank(self.x, op)
         return self.rank
 
 
@@ -413,6 +413,34 @@ def _fold_wrap(e, g, k, rank, b, a, length, sizes):
 _FOLDS = {"edge": _fold_edge, "reflect": _fold_reflect, "wrap": _fold_wrap}
 
 
+def _pad_constant_any_rank(n, dy, needs, e):
+    """Constant Pad of an input whose rank is known only at run time: the pads vector holds
+    the begin amounts then the end amounts (of ``axes``, else of axes 0, 1, ...), each < 0 to
+    crop. dx = zero-pad(slice(dy)): the slice drops the border the padding added, the zero
+    padding restores what the cropping removed."""
+    pads = as_int64(e, n.inputs[1])
+    axes = optional_input(n, 3)
+    axes = as_int64(e, axes) if axes is not None else None
+    count = e.Div(e.Shape(pads), e.ints([2]))
+    begin, end = e.Slice(pads, e.ints([0]), count), e.Slice(pads, count, e.ints([INT64_MAX]))
+    zero = e.ints([0])
+    grow_b, grow_a = e.Max(begin, zero), e.Max(end, zero)
+    crop_b, crop_a = e.Max(e.Neg(begin), zero), e.Max(e.Neg(end), zero)
+    # without axes, Slice and Pad take axes 0 .. count-1, as the forward Pad did
+    sizes = e.Slice(e.Shape(dy), zero, count) if axes is None else e.Gather(e.Shape(dy), axes, axis=0)
+    inner = e.Slice(dy, grow_b, e.Sub(sizes, grow_a), *([] if axes is None else [axes]))
+    dx = None
+    if needs[0]:
+        dx = e.Pad(inner, e.Concat(crop_b, crop_a, axis=0), *([] if axes is None else [None, axes]))
+    dvalue = None
+    value = optional_input(n, 2)
+    if value is not None and len(needs) > 2 and needs[2]:
+        outside = e.Sub(e.reduce("ReduceSum", dy, None, keepdims=False),
+                        e.reduce("ReduceSum", inner, None, keepdims=False))
+        dvalue = reshape_like(e, outside, value)
+    return [dx, None, dvalue][: len(n.inputs)]
+
+
 @register("Pad")
 def pad(n, dys, needs, e):
     """y = fill(crop(x)) axis by axis: negative pads crop x, positive pads add a border
@@ -431,7 +459,9 @@ def pad(n, dys, needs, e):
     if rank is None and (len(n.inputs) < 4 or n.inputs[3] is None) and pads_dims and isinstance(pads_dims[0], int):
         rank = pads_dims[0] // 2  # pads has two entries per axis
     if rank is None:
-        dims.need_rank("Pad")
+        if mode != "constant":
+            raise unknown_rank(x, f"Pad (mode '{mode}')")
+        return _pad_constant_any_rank(n, dy, needs, e)
     amounts = _pad_amounts(e, n, rank)
     grow_b, grow_a, crop_b, crop_a, length = {}, {}, {}, {}, {}
     for k, (b, a) in amounts.items():

@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register
+from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
 from gradbuilder.rules.shape import (
     HALF_TYPES,
     Dims,
@@ -419,7 +419,7 @@ def resize(n, dys, needs, e):
         count = (dims_of(given) or [None])[0]
         rank = count if isinstance(count, int) else None
     if rank is None:
-        raise GradientRuleError(f"Resize '{n.name}': the gradient needs the rank of '{x.name}', which is unknown")
+        raise unknown_rank(x, "Resize")
     axes = [int(a) % rank for a in axes_attr] if axes_attr else list(range(rank))
 
     mode = _text(n, "mode", "nearest")
@@ -695,7 +695,7 @@ def grid_sample(n, dys, needs, e):
     if gd is not None and isinstance(gd[-1], int):
         r = gd[-1]
     if r is None:
-        raise GradientRuleError(f"GridSample '{n.name}': the gradient needs the rank of X or grid")
+        raise unknown_rank(x, "GridSample")
     ct = _compute_type(grid)
     xd = Dims(e, x)
     lengths = [xd[2 + a] for a in range(r)]

@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
+from gradbuilder.errors import InvalidModelError
 from gradbuilder.testing import gradcheck, run_onnxruntime
 
 from .helpers import linear_model, make_model, tensor, vi
@@ -261,3 +262,22 @@ def test_memory_efficient_gradient_adds_contributions_as_they_arrive():
     np.testing.assert_allclose(run_ort(eager, {"x": x})["W_grad"], run_ort(plain, {"x": x})["W_grad"], rtol=1e-6)
     report = gradcheck(model, ["W"], "loss", {"x": x})
     assert report.passed, str(report)
+
+
+def test_graph_input_without_a_shape_is_refused_naming_it():
+    """onnx.checker requires a shape (at least a rank) on every graph input; the written model
+    must pass it, so a model without one is refused before any work, naming the input."""
+    model = make_model([helper.make_node("Mul", ["x", "W"], ["y"]),
+                        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)], [vi("loss", [])],
+                       [tensor("W", np.ones(3, np.float32))])
+    with pytest.raises(InvalidModelError, match="graph input 'x' declares no shape, not even a rank"):
+        GradientGraphBuilder(model, ["W"], ["loss"], "loss").build()
+
+
+def test_output_of_unknown_rank_is_refused_naming_it():
+    model = make_model([helper.make_node("Reshape", ["W", "s"], ["r"]),
+                        helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0)],
+                       [vi("s", [None], TensorProto.INT64)], [vi("loss", [])], [tensor("W", np.ones(3, np.float32))])
+    with pytest.raises(InvalidModelError, match=r"output 'r' \(computed by an unnamed Reshape node\) has a rank"):
+        GradientGraphBuilder(model, ["W"], ["loss", "r"], "loss").build()

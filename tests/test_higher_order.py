@@ -8,6 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from gradbuilder import GradientGraphBuilder
+from gradbuilder.testing import numeric_gradient, run_onnxruntime, to_float64
 
 from .helpers import make_model, tensor, vi
 
@@ -102,3 +103,33 @@ def test_hessian_vector_product_through_layernorm_softmax_and_division():
     plus, minus = grads(1e-5), grads(-1e-5)
     for w in weights:
         np.testing.assert_allclose(got[f"{w}_hvp"], (plus[w] - minus[w]) / 2e-5, rtol=1e-5, atol=1e-8)
+
+
+def test_second_order_of_a_vector_matrix_product_accepts_our_own_output():
+    """loss = sum(tanh(x[3] @ W[3, 2])): the first-order graph computes W_grad as
+    Unsqueeze(x, 1) * Unsqueeze(dy, 0), which onnx's data propagation misreads (it takes the
+    1-D x's dims for shape data) although the model is valid; building again from it must
+    work. The Hessian-vector product in float32 on onnxruntime against float64 finite
+    differences of the first-order gradient."""
+    rng = np.random.default_rng(3)
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Tanh", ["y"], ["t"]),
+                        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)],
+                       [vi("x", [3])], [vi("loss", [])], [tensor("W", rng.standard_normal((3, 2)).astype(np.float32))])
+    v = rng.standard_normal((3, 2)).astype(np.float32)
+    first = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().model_proto
+    first.graph.initializer.append(numpy_helper.from_array(v, "V"))
+    first.graph.node.extend([helper.make_node("Mul", ["W_grad", "V"], ["wv"]),
+                             helper.make_node("ReduceSum", ["wv"], ["gv"], keepdims=0)])
+    first.graph.output.append(vi("gv", []))
+    second = GradientGraphBuilder(first, ["W"], ["gv"], "gv", gradient_suffix="_grad2").build()
+    onnx.checker.check_model(second.model_proto, full_check=True)
+    x = rng.standard_normal(3).astype(np.float32)
+    got = run_onnxruntime(second.get_model(), {"x": x})["W_grad2"]
+
+    first64 = to_float64(first)
+    ev = ReferenceEvaluator(first64)
+    names = [o.name for o in first64.graph.output]
+    w0 = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
+    numeric = numeric_gradient(lambda w: dict(zip(names, ev.run(None, {"x": x.astype(np.float64), "W": w})))["gv"],
+                               w0, 1e-6)
+    np.testing.assert_allclose(got, numeric, rtol=1e-4, atol=1e-5)

@@ -14,15 +14,23 @@ import onnx.inliner
 from onnx import helper
 
 from .. import registry
+from ..errors import UnsupportedOpError
 
 _DOMAIN = "gradbuilder.expanded"
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
+def _carries(node: onnx.NodeProto, reached: set[str]) -> bool:
+    """Whether a gradient can flow into ``node`` from ``reached``: through an input that is not
+    a stop-gradient edge of its op (the random draws' inputs are)."""
+    stops = registry.stop_gradient_edges(node.domain, node.op_type)
+    return any(name in reached for i, name in enumerate(node.input) if name and i not in stops)
+
+
 def _reached(proto: onnx.ModelProto, weights) -> set[str]:
     reached = set(weights)
     for node in proto.graph.node:
-        if any(i in reached for i in node.input if i):
+        if _carries(node, reached):
             reached.update(o for o in node.output if o)
     return reached
 
@@ -70,9 +78,10 @@ def expand_functions(proto: onnx.ModelProto, weights, opset: int) -> bool:
     types = _types(proto)
     versions = {("" if imp.domain == "ai.onnx" else imp.domain): imp.version for imp in proto.opset_import}
     functions = []
+    origins = {}
     for k, node in enumerate(proto.graph.node):
         domain = "" if node.domain == "ai.onnx" else node.domain
-        if domain not in versions or not any(i in reached for i in node.input if i):
+        if domain not in versions or not _carries(node, reached):
             continue
         if not any(types.get(o) is None or types[o].tensor_type.elem_type in _FLOATS for o in node.output if o):
             continue
@@ -102,6 +111,8 @@ def expand_functions(proto: onnx.ModelProto, weights, opset: int) -> bool:
             fn.opset_import.append(helper.make_opsetid("", opset))
         if domain and not any(o.domain == domain for o in fn.opset_import):
             fn.opset_import.append(helper.make_opsetid(domain, version))
+        label = f"'{node.name}'" if node.name else f"<unnamed, output '{node.output[0]}'>"
+        origins[fn.name] = (label, node.op_type, domain, version)
         node.domain = _DOMAIN
         node.op_type = fn.name
         functions.append(fn)
@@ -110,6 +121,14 @@ def expand_functions(proto: onnx.ModelProto, weights, opset: int) -> bool:
     proto.functions.extend(functions)
     proto.opset_import.append(helper.make_opsetid(_DOMAIN, 1))
     inlined = onnx.inliner.inline_local_functions(proto)
+    for node in inlined.graph.node:
+        if node.domain == _DOMAIN:
+            label, op_type, domain, version = origins[node.op_type]
+            raise UnsupportedOpError(
+                f"no gradient rule for node {label} (op_type={op_type}, domain='{domain or 'ai.onnx'}', "
+                f"opset={version}), and its ONNX function body could not be inlined to differentiate "
+                "through it. Remove it from the path to the loss, mark its inputs as stop-gradient, or "
+                "register a rule")
     proto.CopyFrom(inlined)
     for i, imp in enumerate(proto.opset_import):
         if imp.domain == _DOMAIN:

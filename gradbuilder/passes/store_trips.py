@@ -59,6 +59,9 @@ def _store(node: ir.Node, unique) -> None:
         out = copy.outputs[0]
         out.name = unique(f"{value.name}_trip")
         copy_type(out, value)
+        if out.shape is None:  # onnxruntime's Scan needs the rank of every body output
+            rank = _carried_rank(node, i)
+            out.shape = ir.Shape([None] * rank) if rank is not None else None
         body.append(copy)
         body.outputs.append(out)
     node.resize_outputs(first + len(stored))
@@ -74,3 +77,15 @@ def _store(node: ir.Node, unique) -> None:
                 node.attributes[name] = ir.AttrInt64s(name, values)
     node.meta[TRIPS] = stored
 
+
+def _carried_rank(node: ir.Node, i: int) -> int | None:
+    """The rank of body input ``i`` of a Loop or Scan, from the body output that carries it on
+    or from the node input it starts from (a carried value keeps its rank)."""
+    body = node.attributes["body"].value
+    if node.op_type == "Loop":
+        if i < 2:
+            return 0  # the iteration number and the condition
+        sources = [body.outputs[i - 1], node.inputs[i] if i < len(node.inputs) else None]
+    else:
+        sources = [body.outputs[i], node.inputs[i]]
+    return next((len(v.shape) for v in sources if v is not None and v.shape is not None), None)

@@ -8,6 +8,7 @@ import torch
 from onnx import TensorProto, helper
 
 from gradbuilder import GradientGraphBuilder
+from gradbuilder.errors import GradientRuleError
 from gradbuilder.testing import gradcheck, run_onnxruntime
 
 from ..helpers import make_model, tensor, vi
@@ -312,3 +313,92 @@ def test_torchscript_loops_export_matches_autograd(collect):
     module = torch.jit.script(ScriptedRNN(collect))
     x, target = torch.randn(5, 2, 4) * 0.5, torch.randn(2, 3)
     compare_with_torch(module, (x, target), ["x", "target"], dynamo=False, opset=17)
+
+
+# ----------------------------------------------------------------------------- undeclared shapes
+
+
+def _unshaped_body(prefix, reads):
+    """Loop body h' = tanh(h @ W + reads), its values declared without a shape."""
+    p = prefix
+    nodes = [helper.make_node("MatMul", [f"{p}h", "W"], [f"{p}hw"]),
+             helper.make_node("Add", [f"{p}hw", reads], [f"{p}pre"]),
+             helper.make_node("Tanh", [f"{p}pre"], [f"{p}h2"]),
+             helper.make_node("Identity", [f"{p}c"], [f"{p}c2"]),
+             helper.make_node("Mul", [f"{p}h", "B"], [f"{p}y"])]
+    return helper.make_graph(
+        nodes, f"{p}body", [vi(f"{p}i", [], TensorProto.INT64), vi(f"{p}c", [], TensorProto.BOOL),
+                            helper.make_tensor_value_info(f"{p}h", TensorProto.FLOAT, None)],
+        [vi(f"{p}c2", [], TensorProto.BOOL), helper.make_tensor_value_info(f"{p}h2", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info(f"{p}y", TensorProto.FLOAT, None)])
+
+
+@pytest.mark.parametrize("start", ["static", "rank_at_run_time"])
+def test_loops_whose_bodies_declare_no_shapes(start):
+    """The first loop's values have no declared shape; the second loop's body reads the first
+    loop's output. With h0 reshaped to a shape given at run time no rank is known anywhere."""
+    rng = np.random.default_rng(5)
+    model = make_model(
+        [helper.make_node("Reshape", ["h0", "shape"], ["hr"]),
+         helper.make_node("Loop", ["M", "", "hr"], ["h1", "ys1"], body=_unshaped_body("a", "B")),
+         helper.make_node("Loop", ["M", "", "hr"], ["h2", "ys2"], body=_unshaped_body("b", "h1")),
+         helper.make_node("ReduceSum", ["ys2", "zero"], ["ysum"], keepdims=0),
+         helper.make_node("Add", ["h2", "ysum"], ["out"]),
+         helper.make_node("Mul", ["out", "P"], ["op"]),
+         helper.make_node("ReduceSum", ["op"], ["loss"], keepdims=0)],
+        [vi("h0", [2, 3]), vi("M", [], TensorProto.INT64),
+         vi("shape", [2] if start == "static" else [None], TensorProto.INT64)], [vi("loss", [])],
+        [tensor("W", rng.uniform(-0.8, 0.8, (3, 3)).astype(np.float32)),
+         tensor("B", rng.uniform(-0.5, 0.5, 3).astype(np.float32)),
+         tensor("P", rng.standard_normal((2, 3)).astype(np.float32)), tensor("zero", np.array([0]))])
+    feeds = {"h0": rng.uniform(-1, 1, (2, 3)).astype(np.float32), "M": np.array(3, np.int64),
+             "shape": np.array([2, 3], np.int64)}
+    out = _check(model, ["W", "B", "h0"], feeds)
+    scans = [a.g for n in _nodes(out.graph) if n.op_type == "Scan" for a in n.attribute if a.name == "body"]
+    assert scans and all(o.type.tensor_type.HasField("shape") for g in scans for o in g.output)
+
+
+def _nodes(graph):
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                yield from _nodes(g)
+
+
+def _runtime_rank_scan(axis=0):
+    """An RNN cell as a Scan over x, whose state and input reach it through Reshapes to shapes
+    given at run time (no rank known); the body declares no input shape, and of its outputs
+    only the rank (onnxruntime's Scan runs no body without them)."""
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["h", "W"], ["hw"]), helper.make_node("Add", ["hw", "xt"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["h2"]), helper.make_node("Mul", ["h2", "V"], ["y"])],
+        "cell", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("h", "xt")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, None]) for n in ("h2", "y")])
+    rng = np.random.default_rng(6)
+    model = make_model(
+        [helper.make_node("Reshape", ["h0", "hs"], ["hr"]), helper.make_node("Reshape", ["x", "xs"], ["xr"]),
+         helper.make_node("Scan", ["hr", "xr"], ["hT", "ys"], body=body, num_scan_inputs=1,
+                          scan_input_axes=[axis], scan_output_axes=[axis]),
+         helper.make_node("ReduceSum", ["ys"], ["l1"], keepdims=0), helper.make_node("Mul", ["hT", "P"], ["hp"]),
+         helper.make_node("ReduceSum", ["hp"], ["l2"], keepdims=0), helper.make_node("Add", ["l1", "l2"], ["loss"])],
+        [vi("h0", [2, 3]), vi("x", [4, 2, 3] if axis == 0 else [2, 4, 3]),
+         vi("hs", [None], TensorProto.INT64), vi("xs", [None], TensorProto.INT64)], [vi("loss", [])],
+        [tensor("W", rng.uniform(-0.8, 0.8, 3).astype(np.float32)),
+         tensor("V", rng.uniform(-1, 1, 3).astype(np.float32)),
+         tensor("P", rng.standard_normal((2, 3)).astype(np.float32))])
+    feeds = {"h0": rng.uniform(-1, 1, (2, 3)).astype(np.float32), "hs": np.array([2, 3]),
+             "x": rng.uniform(-1, 1, (4, 2, 3) if axis == 0 else (2, 4, 3)).astype(np.float32),
+             "xs": np.array([4, 2, 3] if axis == 0 else [2, 4, 3])}
+    return model, feeds
+
+
+def test_scan_of_values_whose_rank_is_known_only_at_run_time():
+    model, feeds = _runtime_rank_scan()
+    _check(model, ["W", "V", "h0", "x"], feeds)
+
+
+def test_scan_input_of_unknown_rank_along_another_axis_is_refused_naming_it():
+    model, _ = _runtime_rank_scan(axis=1)
+    with pytest.raises(GradientRuleError, match="rank of scan input 'xr' is unknown and it is scanned along axis 1"):
+        GradientGraphBuilder(model, ["W", "x"], ["loss"], "loss").build()

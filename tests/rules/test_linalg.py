@@ -1,8 +1,13 @@
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
+from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_op, make_op_model
+from gradbuilder.testing import check_op, run_onnxruntime
+
+from ..helpers import make_model, tensor, vi
+from .harness import check_model
 
 f32 = np.float32
 
@@ -116,14 +121,15 @@ def test_einsum_dynamic(eq, shapes, rng):
 
 
 def test_einsum_unknown_rank_with_ellipsis_is_refused(rng):
-    from gradbuilder import GradientGraphBuilder
-
-    model, weights, _ = make_op_model("Einsum", [("x0", arr(rng, 2, 3))], {"equation": "...i->i"},
-                                      weights_as="inputs")
-    del model.graph.input[0].type.tensor_type.shape.dim[:]
-    model.graph.input[0].type.tensor_type.ClearField("shape")
-    with pytest.raises(GradientRuleError, match="rank"):
-        GradientGraphBuilder(model, weights, ["loss"], "loss").build()
+    """x reaches the Einsum through a Reshape to a shape given at run time: the ellipsis'
+    width is unknown, and the error names the value and the node that computes it."""
+    model = make_model([helper.make_node("Reshape", ["x", "s"], ["xr"], name="to_runtime_shape"),
+                        helper.make_node("Einsum", ["xr"], ["y"], equation="...i->i"),
+                        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+                       [vi("s", [None], TensorProto.INT64)], [vi("loss", [])], [tensor("x", arr(rng, 2, 3))])
+    with pytest.raises(GradientRuleError, match="Einsum gradient needs the rank of 'xr' "
+                                                r"\(computed by Reshape node 'to_runtime_shape'\)"):
+        GradientGraphBuilder(model, ["x"], ["loss"], "loss").build()
 
 
 @pytest.mark.parametrize("op,shapes,attrs", [
@@ -134,3 +140,93 @@ def test_einsum_unknown_rank_with_ellipsis_is_refused(rng):
 def test_float16(op, shapes, attrs, rng):
     inputs = [(f"x{i}", arr(rng, *s).astype(np.float16)) for i, s in enumerate(shapes)]
     check_op(op, inputs, attrs, opset=18, ort_rtol=1e-2, ort_atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- ranks known at run time
+
+
+def _product_model(rng, a, b, nodes, inputs, feeds, names=("A", "B")):
+    """loss = sum(flat(y) * p) for the value y that ``nodes`` compute from initializers A, B."""
+    y = np.matmul(a, b)
+    nodes = nodes + [helper.make_node("Reshape", ["y", "flat"], ["yf"]), helper.make_node("Mul", ["yf", "p"], ["yp"]),
+                     helper.make_node("ReduceSum", ["yp"], ["loss"], keepdims=0)]
+    inits = [tensor(names[0], a), tensor(names[1], b), tensor("p", rng.standard_normal(y.size).astype(f32)),
+             tensor("flat", np.array([-1]))]
+    return make_model(nodes, inputs, [vi("loss", [])], inits), feeds
+
+
+@pytest.mark.parametrize("unknown", ["a", "b", "ab"])
+@pytest.mark.parametrize("shapes", MATMUL_SHAPES, ids=str)
+def test_matmul_operand_whose_rank_is_known_only_at_run_time(shapes, unknown, rng):
+    """An operand reaches MatMul through a Reshape to a shape given at run time: its rank (1-D
+    included) is known only then."""
+    a, b = arr(rng, *shapes[0]), arr(rng, *shapes[1])
+    nodes, inputs, feeds, operands = [], [], {}, []
+    for name, value in (("a", a), ("b", b)):
+        if name in unknown:
+            nodes.append(helper.make_node("Reshape", [name.upper(), f"{name}_shape"], [f"{name}_r"]))
+            inputs.append(vi(f"{name}_shape", [None], TensorProto.INT64))
+            feeds[f"{name}_shape"] = np.array(value.shape, np.int64)
+        operands.append(f"{name}_r" if name in unknown else name.upper())
+    model, feeds = _product_model(rng, a, b, nodes + [helper.make_node("MatMul", operands, ["y"])], inputs, feeds)
+    check_model(model, ["A", "B"], feeds)
+
+
+@pytest.mark.parametrize("weight_first", [False, True])
+@pytest.mark.parametrize("weight_shape", [(4, 3), (4,)], ids=str)
+def test_matmul_after_squeeze_of_symbolic_dims(weight_shape, weight_first, rng):
+    """Squeeze without axes of x[n, 1]: shape inference cannot tell whether n is 1, so the rank
+    is unknown; at run time the value is 1-D. The weight may be 1-D itself."""
+    x = arr(rng, 4, 1)
+    w = arr(rng, *(weight_shape[::-1] if weight_first else weight_shape))
+    operands = ["W", "xs"] if weight_first else ["xs", "W"]
+    a, b = (w, x[:, 0]) if weight_first else (x[:, 0], w)
+    model, _ = _product_model(rng, a, b, [helper.make_node("Squeeze", ["X"], ["xs"]),
+                                          helper.make_node("MatMul", operands, ["y"])], [], {},
+                              names=("W", "X") if weight_first else ("X", "W"))
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "X"))
+    model.graph.input.append(vi("X", ["n", 1]))
+    check_model(model, ["W", "X"], {"X": x})
+
+
+def test_matmul_of_a_loop_output(rng):
+    """A Loop whose body declares no shapes carries a 1-D value; MatMul reads its result."""
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["h", "V"], ["hv"]), helper.make_node("Tanh", ["hv"], ["h2"]),
+         helper.make_node("Identity", ["c"], ["c2"])], "body",
+        [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, None)],
+        [vi("c2", [], TensorProto.BOOL), helper.make_tensor_value_info("h2", TensorProto.FLOAT, None)])
+    h0, w = arr(rng, 4), arr(rng, 4, 3)
+    model, _ = _product_model(rng, h0, w, [helper.make_node("Loop", ["M", "", "A"], ["hT"], body=body),
+                                           helper.make_node("MatMul", ["hT", "B"], ["y"])],
+                              [vi("M", [], TensorProto.INT64)], {})
+    model.graph.initializer.append(tensor("V", arr(rng, 4)))
+    check_model(model, ["A", "B", "V"], {"M": np.array(2, np.int64)})
+
+
+# ----------------------------------------------------------------------------- onnxruntime's fused transpose
+
+
+@pytest.mark.parametrize("k_rank", ["1-D", "1-D at run time", "2-D at run time"])
+@pytest.mark.parametrize("w_shape,perm", [((3, 2), None), ((3, 2), [1, 0]), ((2, 3, 2), [0, 2, 1])], ids=str)
+def test_transposed_weight_times_vector_on_default_optimizations(w_shape, perm, k_rank, rng):
+    """y = Transpose(W) @ k. onnxruntime's default optimizations fuse the Transpose into the
+    MatMul and drop it when k is 1-D; once W is a graph input (as every weight of the written
+    model) the Transpose is no longer folded away. Loss and gradients on onnxruntime's default
+    session options against numpy and float64 finite differences."""
+    w = arr(rng, *w_shape)
+    k = arr(rng, 3) if k_rank != "2-D at run time" else arr(rng, 3, 2)
+    nodes = [helper.make_node("Transpose", ["A"], ["At"], **({"perm": perm} if perm else {}))]
+    inputs, feeds, operand = [], {}, "B"
+    if k_rank != "1-D":
+        nodes.append(helper.make_node("Reshape", ["B", "k_shape"], ["Br"]))
+        inputs, feeds, operand = [vi("k_shape", [None], TensorProto.INT64)], {"k_shape": np.array(k.shape)}, "Br"
+    wt = np.swapaxes(w, -1, -2)
+    model, feeds = _product_model(rng, wt, k, nodes + [helper.make_node("MatMul", ["At", operand], ["y"])], inputs,
+                                  feeds)
+    next(t for t in model.graph.initializer if t.name == "A").CopyFrom(tensor("A", w))
+    check_model(model, ["A", "B"], feeds)
+    p = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "p"))
+    built = GradientGraphBuilder(model, ["A", "B"], ["loss"], "loss").build().get_model()
+    np.testing.assert_allclose(run_onnxruntime(built, feeds)["loss"], np.sum((wt @ k).reshape(-1) * p), rtol=1e-5)

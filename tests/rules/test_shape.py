@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
-from gradbuilder.testing import check_op, make_op_model
+from gradbuilder.errors import GradientRuleError
+from gradbuilder.testing import check_op, make_op_model, numeric_gradient
 
-from .harness import check_graph_ints, check_model, check_unknown_rank, ort_gradcheck
+from .harness import check_graph_ints, check_model, check_unknown_rank, ort_gradcheck, ort_grads
 
 f32 = np.float32
 
@@ -286,3 +288,64 @@ def test_unknown_rank(op, inputs, attrs, opset, rng):
 def test_split_unknown_rank(opset, rng):
     check_unknown_rank("Split", [("x", arr(rng, 2, 6)), ("s", np.array([2, 4]))], {"axis": -1}, opset=opset,
                        num_outputs=2)
+
+
+def _pad_of_unknown_rank(rng, pads, axes=None, value=None, opset=18, mode="constant", dtype=f32):
+    """x[2, 3, 4] reshaped to a shape given at run time (no rank known), then Pad with pads
+    (and axes) given at run time too; loss = sum(flat(y) * p)."""
+    x = rng.standard_normal((2, 3, 4)).astype(dtype)
+    elem = TensorProto.FLOAT if dtype == f32 else TensorProto.DOUBLE
+    pad_axes = list(range(3)) if axes is None else [a % 3 for a in axes]
+    out = list(x.shape)
+    for i, a in enumerate(pad_axes):
+        out[a] += pads[i] + pads[len(pad_axes) + i]
+    ins = ["xr", "pads", "v" if value is not None else "", "axes" if axes is not None else ""]
+    while not ins[-1]:
+        ins.pop()
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["xr"]), helper.make_node("Pad", ins, ["y"], mode=mode),
+             helper.make_node("Reshape", ["y", "flat"], ["yf"]), helper.make_node("Mul", ["yf", "p"], ["yp"]),
+             helper.make_node("ReduceSum", ["yp"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(x, "x"), numpy_helper.from_array(np.array([-1]), "flat"),
+             numpy_helper.from_array(rng.standard_normal(int(np.prod(out))).astype(dtype), "p")]
+    if value is not None:
+        inits.append(numpy_helper.from_array(np.array(value, dtype), "v"))
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in ("shape", "pads")]
+    feeds = {"shape": np.array(x.shape), "pads": np.array(pads)}
+    if axes is not None:
+        inputs.append(helper.make_tensor_value_info("axes", TensorProto.INT64, [None]))
+        feeds["axes"] = np.array(axes)
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", elem, [])],
+                                                inits), opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model, ["x"] + (["v"] if value is not None else []), feeds
+
+
+@pytest.mark.parametrize("pads,axes,value,opset", [
+    ([1, 0, 2, 0, 2, 1], None, None, 13),
+    ([1, 0, 2, 0, 2, 1], None, 0.5, 18),
+    ([2, 1, 0, 1], [-1, 0], 0.3, 18),
+], ids=str)
+def test_pad_of_unknown_rank_with_pads_given_at_run_time(pads, axes, value, opset, rng):
+    model, weights, feeds = _pad_of_unknown_rank(rng, pads, axes, value, opset)
+    check_model(model, weights, feeds)
+
+
+@pytest.mark.parametrize("pads,axes", [([-1, 2, 0, 1, -2, 1], None), ([-1, 1, 0, -2], [1, 2])], ids=str)
+def test_pad_of_unknown_rank_that_crops(pads, axes, rng):
+    """Negative pads crop (onnx's reference evaluator cannot run them): float64 finite
+    differences on onnxruntime."""
+    model, weights, feeds = _pad_of_unknown_rank(rng, pads, axes, 0.7, 18, dtype=np.float64)
+    base = {"x": numpy_helper.to_array(model.graph.initializer[0]), "v": np.array(0.7)}
+    sess, got = ort_grads(model, weights, {**feeds, **base})
+    for w in weights:
+        num = numeric_gradient(lambda v: sess.run(["loss"], {**feeds, **base, w: v})[0], base[w], 1e-6)
+        np.testing.assert_allclose(got[f"{w}_grad"], num, rtol=1e-5, atol=1e-7)
+
+
+def test_pad_reflect_of_unknown_rank_is_refused_naming_the_value(rng):
+    from gradbuilder import GradientGraphBuilder
+
+    model, weights, _ = _pad_of_unknown_rank(rng, [1, 0, 2, 0, 2, 1], mode="reflect")
+    with pytest.raises(GradientRuleError, match=r"Pad \(mode 'reflect'\) gradient needs the rank of 'xr' "
+                                                r"\(computed by an unnamed Reshape node\)"):
+        GradientGraphBuilder(model, weights, ["loss"], "loss").build()
