@@ -43,6 +43,7 @@ from .passes import guarded, named_output, new_input
 from .passes.accumulate import COUNTER
 from .passes.loss_scale import ALL_FINITE, GOOD_STEPS, SCALE, all_finite
 from .passes.running_stats import buffers_of, inference_form
+from .passes.vector_products import model_without_fused_vector_products
 from .training import from_parameters, optimizer_only_model
 
 _NP_OF_ORT = {
@@ -232,7 +233,7 @@ class TrainingSession:
             proto = optimizer_only_model(shapes, self._optimizer, self._options, max_norm,
                                          per_weight=self._builder.per_weight_options)
         elif kind == "eval":
-            proto = inference_form(self._model)
+            proto = model_without_fused_vector_products(inference_form(self._model))
         else:
             raise AssertionError(kind)
         _weights_as_inputs(proto, self.weights + self.buffers)

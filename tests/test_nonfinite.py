@@ -111,3 +111,16 @@ def test_step_wise_api_optimizer_step_skips_nonfinite_gradients():
     s.train_step(GOOD)
     s.optimizer_step()
     assert s.step == 1 and s.skipped_steps == 1
+
+
+def test_eval_step_of_a_transposed_weight_times_a_vector_is_right():
+    """onnxruntime fuses MatMul(Transpose(W), k) and drops the transpose for a 1-D k once W is a
+    graph input, as in the session's graphs: the eval graph is rewritten like the training ones."""
+    w = np.arange(6, dtype=np.float32).reshape(2, 3) / 4
+    nodes = [helper.make_node("Transpose", ["W"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["wt", "k"], ["y"]),
+             helper.make_node("Mul", ["y", "y"], ["y2"]), helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [vi("k", [2])], [vi("loss", [])], [tensor("W", w)])
+    s = TrainingSession(model.SerializeToString(), TrainingParameters(loss_output_name="loss",
+                                                                      training_optimizer_name="sgd"), providers=CPU)
+    k = np.array([1.0, -2.0], np.float32)
+    np.testing.assert_allclose(s.eval_step(k), np.sum((w.T @ k) ** 2), rtol=1e-6)

@@ -13,6 +13,7 @@ Runs on the forward graph before differentiation, so the gradients follow the ne
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from ..registry import attr, dims_of
@@ -75,3 +76,20 @@ def _by_rank(node: ir.Node, wt: ir.Value, k: ir.Value, w: ir.Value, unique) -> N
     node.op_type = "If"
     node.attributes["then_branch"] = ir.AttrGraph("then_branch", then_g)
     node.attributes["else_branch"] = ir.AttrGraph("else_branch", else_g)
+
+
+def model_without_fused_vector_products(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The rewrite on a ModelProto that runs as it is, with its weights as graph inputs (a
+    session's evaluation graph): ranks come from onnx shape inference; the model is not
+    modified."""
+    from ..modelio import to_ir
+    from ..registry import Emitter
+
+    try:
+        typed = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - without the ranks, the rank test runs at run time
+        typed = model
+    ir_model = to_ir(typed)
+    opset = ir_model.opset_imports.get("", 1)
+    vector_products_without_transpose(ir_model.graph, Emitter(ir_model.graph, opset).unique)
+    return ir.to_proto(ir_model)
