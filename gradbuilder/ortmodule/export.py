@@ -135,21 +135,13 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     for w in caught:
         logger.debug("ORTModule: export of %s: %s: %s (%s:%d)", what, w.category.__name__, w.message, w.filename,
                      w.lineno)
-    if watch.in_place:
-        raise ExportError(
-            f"{what} changes a tensor in place with grad mode off at {watch.in_place[0]}"
-            + (f" (and {len(watch.in_place) - 1} more places)" if len(watch.in_place) > 1 else "")
-            + ": the exported graph cannot keep the gradient out of that change as PyTorch does (PyTorch's gradient "
+    _refuse(f"{what} changes a tensor in place with grad mode off", watch.in_place,
+            "the exported graph cannot keep the gradient out of that change as PyTorch does (PyTorch's gradient "
             "does not see the change of a tensor that requires grad; a view written from a tensor that requires "
-            "grad cannot be cut). Make the change out of place, or pass fallback=True to ORTModule to run the "
-            "module in PyTorch")
-    if watch.value_reads:
-        raise ExportError(
-            f"{what} reads a tensor's value into Python at {watch.value_reads[0]}"
-            + (f" (and {len(watch.value_reads) - 1} more places)" if len(watch.value_reads) > 1 else "")
-            + ": the exported graph would keep what that value was while tracing as a constant (Python control "
-            "flow on tensor values). Compute with tensors instead (torch.where, masks), or pass fallback=True to "
-            "ORTModule to run the module in PyTorch")
+            "grad cannot be cut). Make the change out of place")
+    _refuse(f"{what} reads a tensor's value into Python", watch.value_reads,
+            "the exported graph would keep what that value was while tracing as a constant (Python control "
+            "flow on tensor values). Compute with tensors instead (torch.where, masks)")
     # A size turned into a Python number becomes a constant: where any code did that, trace
     # again with one more row (and, for integer inputs such as token ids, one more column).
     sized = None
@@ -167,6 +159,14 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     exported.functions = watch.functions
     exported.torch_exported = data if keep_torch_export else None
     return exported
+
+
+def _refuse(what: str, places: list[str], why: str) -> None:
+    """ExportError for ``what`` done at ``places`` (none: nothing to refuse)."""
+    if places:
+        more = f" (and {len(places) - 1} more places)" if len(places) > 1 else ""
+        raise ExportError(f"{what} at {places[0]}{more}: {why}, or pass fallback=True to ORTModule to run the "
+                          "module in PyTorch")
 
 
 def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
