@@ -1,19 +1,172 @@
-"""The `gradbuilder` command: build, artifacts, ops, demo."""
+"""The `gradbuilder` command: build, artifacts, ops, demo, train.
+
+Exit status: 0 done; 1 a failure while working (onnxruntime failed, a file could not be
+written, the model's graph could not be differentiated or trained); 2 a usage error, as
+argparse gives (an option that is bad or contradicts another, a file named on the command
+line that is missing or unreadable, a name the model or the data does not have); 130 or 143
+when `train` is stopped by SIGINT (Ctrl-C) or SIGTERM. Every error is one line on stderr,
+``gradbuilder: error: ...``; whatever can be checked before the work starts is checked first,
+and nothing is written by a command that fails.
+
+At start this module imports the standard library only: ``--help`` and ``--version`` answer
+without loading onnx, onnxruntime or numpy; each command imports what it needs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
+import threading
 import warnings
+from pathlib import Path
 
-from .errors import GradBuilderError
+from . import __version__
+from .errors import CheckpointError, GradBuilderError, InvalidArgumentError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# The errors that are the caller's: a name or option that does not fit, an input file that
+# cannot be read. Every other GradBuilderError is a failure while working.
+USAGE_ERRORS = (InvalidArgumentError, ModelLoadError)
+
+
+def exit_status(exc: BaseException) -> int:
+    """2 for a usage error, 1 for any other failure."""
+    return 2 if isinstance(exc, USAGE_ERRORS) else 1
+
+
+# ------------------------------------------------------------------ checks of the command line
+
+
+def _check_input_file(option: str, path: str) -> None:
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: is a directory, not a file")
+    if not p.exists():
+        raise InvalidArgumentError(f"{option} {path}: no such file")
+    if not os.access(p, os.R_OK):
+        raise InvalidArgumentError(f"{option} {path}: cannot be read (permission denied)")
+
+
+def _check_output_file(option: str, path: str | None) -> None:
+    """``path`` can be written: its directory exists, and it is not itself a directory."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: is a directory; give the path of a file")
+    parent = p.parent
+    if not parent.exists():
+        raise InvalidArgumentError(f"{option} {path}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{option} {path}: cannot write into {parent} (permission denied)")
+
+
+def _check_output_directory(option: str, path: str) -> None:
+    """``path`` is a directory, or can be made one: no part of it is a file."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: {p} is a file, not a directory")
+    if p.exists() and not os.access(p, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{option} {path}: cannot write into {p} (permission denied)")
+
+
+def _check_distinct(**paths: str | None) -> None:
+    given = {option: Path(p).resolve() for option, p in paths.items() if p is not None}
+    options = list(given)
+    for i, a in enumerate(options):
+        for b in options[i + 1:]:
+            if given[a] == given[b]:
+                raise InvalidArgumentError(f"{a} and {b} name the same file {paths[a]}; give two paths")
+
+
+def _load_arrays(option: str, path: str, batch_size: int) -> dict:
+    """The arrays of the ``.npz`` file ``path``: numeric, each with a batch axis, all of the
+    same length, at least ``batch_size`` rows."""
+    import zipfile
+
+    import numpy as np
+
+    _check_input_file(option, path)
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # pickled or not numpy's
+        raise InvalidArgumentError(f"{option} {path}: not a numpy .npz file ({_one_line(exc)})") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise InvalidArgumentError(f"{option} {path}: holds a single array (.npy); write one array per model "
+                                   "input with numpy.savez(path, name=array, ...)")
+    arrays = {}
+    with loaded as npz:
+        for name in npz.files:
+            try:
+                arrays[name] = npz[name]
+            except (ValueError, OSError, zipfile.BadZipFile) as exc:
+                raise InvalidArgumentError(f"{option} {path}: array '{name}' cannot be read: {_one_line(exc)}") from None
+    if not arrays:
+        raise InvalidArgumentError(f"{option} {path}: holds no arrays")
+    scalars = [name for name, a in arrays.items() if a.ndim == 0]
+    if scalars:
+        raise InvalidArgumentError(f"{option} {path}: {scalars} are scalars; every array needs a batch axis (axis 0)")
+    lengths = {name: len(a) for name, a in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise InvalidArgumentError(f"{option} {path}: the arrays differ in length along axis 0: {lengths}")
+    rows = next(iter(lengths.values()))
+    if rows < batch_size:
+        raise InvalidArgumentError(f"{option} {path}: {rows} rows, fewer than --batch-size {batch_size}")
+    return arrays
+
+
+def _values(graph) -> set[str]:
+    """Every value name of ``graph``: inputs, initializers, node outputs."""
+    names = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    return names | {o for n in graph.node for o in n.output if o}
+
+
+def _inputs_needed(graph, outputs) -> list[str]:
+    """The graph inputs (less initializers) that computing ``outputs`` reads, subgraphs included."""
+    from onnx import AttributeProto
+
+    producer = {o: n for n in graph.node for o in n.output if o}
+    inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+
+    def read_by(node):
+        yield from (i for i in node.input if i)
+        for a in node.attribute:
+            subgraphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)
+            for g in subgraphs:
+                for inner in g.node:
+                    yield from read_by(inner)
+
+    seen, todo = set(), list(outputs)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            if name in producer:
+                todo.extend(read_by(producer[name]))
+    return [i.name for i in graph.input if i.name in inputs and i.name in seen]
+
+
+def _listed(names, most: int = 12) -> str:
+    names = list(names)
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+# ------------------------------------------------------------------ commands
 
 
 def _cmd_build(args) -> int:
+    _check_input_file("model", args.model)
+    _check_output_file("-o", args.output)
     from .builder import GradientGraphBuilder, float_initializers
 
-    if args.weights and args.all_initializers:
-        raise GradBuilderError("give either --weights or --all-initializers, not both")
     weights = args.weights or float_initializers(args.model)
     outputs = args.outputs or [args.loss]
     b = GradientGraphBuilder(args.model, weights=weights, outputs=outputs, loss=args.loss).build()
@@ -25,14 +178,31 @@ def _cmd_build(args) -> int:
 
 
 def _cmd_artifacts(args) -> int:
+    _check_input_file("model", args.model)
+    _check_output_directory("-o", args.output)
+    if args.loss is None and (args.loss_output or args.target):
+        raise InvalidArgumentError(f"{'--loss-output' if args.loss_output else '--target'} needs --loss")
+    if args.weights or args.frozen:
+        from . import modelio
+        from .builder import float_initializers
+
+        _check_weights(args, float_initializers(modelio.load_proto(args.model)))
     from .artifacts import generate_artifacts
 
     written = generate_artifacts(args.model, requires_grad=args.weights, frozen_params=args.frozen or (),
                                  loss=args.loss, optimizer=args.optimizer, artifact_directory=args.output,
-                                 loss_output=args.loss_output)
+                                 loss_output=args.loss_output, target_name=args.target or "target")
     for path in written.values():
         print(f"wrote {path}")
     return 0
+
+
+def _check_weights(args, floats) -> None:
+    for option, names in (("--weights", args.weights), ("--frozen", args.frozen)):
+        unknown = [n for n in names or () if n not in floats]
+        if unknown:
+            raise InvalidArgumentError(f"{option}: the model has no float initializer named {_listed(unknown)}; "
+                                       f"its float initializers are {_listed(floats)}")
 
 
 def _cmd_ops(args) -> int:
@@ -47,17 +217,61 @@ def _cmd_ops(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    _check_output_file("--output", args.output)
     from .demo import run
 
-    return 0 if run(steps=args.steps, output=args.output) else 1
+    return 0 if run(steps=args.steps, output=args.output, progress=_progress(args)) else 1
+
+
+def _progress(args) -> bool | None:
+    """--progress / --no-progress; -q turns the bar off unless --progress is given; by
+    default the bar shows on a terminal only."""
+    if args.progress is not None:
+        return args.progress
+    return False if args.quiet else None
+
+
+class _Stop:
+    """SIGINT and SIGTERM while training, remembered and acted on between steps: a step in
+    progress (an onnxruntime run, the state it updates) always finishes."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Stop":
+        if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+            self._previous = {s: signal.signal(s, self._received) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _received(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
 
 
 def _cmd_train(args) -> int:
-    import numpy as np
+    # Everything the command line decides is checked before a graph is built or a step runs.
+    _check_train_options(args)
+    _check_input_file("model", args.model)
+    if args.resume:
+        _check_input_file("--resume", args.resume)
+    _check_output_file("--checkpoint", args.checkpoint)
+    _check_output_file("-o", args.output)
+    _check_distinct(**{"--checkpoint": args.checkpoint, "-o": args.output})
+    data = _load_arrays("--data", args.data, args.batch_size)
+    evaluation = _load_arrays("--eval-data", args.eval_data, args.batch_size) if args.eval_data else data
 
     from . import TrainingParameters, modelio
+    from .builder import float_initializers
     from .loop import BATCHES_SEEN, accuracy, fit
-    from .session import TrainingSession
 
     model = modelio.load_proto(args.model)
     loss_name = args.loss_name
@@ -66,10 +280,34 @@ def _cmd_train(args) -> int:
 
         output = args.loss_output or model.graph.output[0].name
         loss_name = loss_name or "loss"
-        model = append_loss(model, args.loss, output, target_name=args.target, loss_name=loss_name)
+        model = append_loss(model, args.loss, output, target_name=args.target or "target", loss_name=loss_name)
     loss_name = loss_name or model.graph.output[0].name
-    with np.load(args.data, allow_pickle=False) as npz:
-        data = {k: npz[k] for k in npz.files}
+    floats = float_initializers(model)
+    _check_weights(args, floats)
+    values = _values(model.graph)
+    outputs = [o.name for o in model.graph.output]
+    keep = args.keep or [o for o in outputs if o != loss_name] or [loss_name]
+    unknown = [k for k in keep if k not in values]
+    if unknown:
+        raise InvalidArgumentError(f"--keep: the model has no values named {_listed(unknown)}; its outputs are "
+                                   f"{_listed(outputs)}")
+    initializers = {t.name for t in model.graph.initializer}
+    missing = [i.name for i in model.graph.input if i.name not in initializers and i.name not in data]
+    if missing:
+        raise InvalidArgumentError(f"--data {args.data}: no arrays for the model input(s) {_listed(missing)}; "
+                                   f"it has {_listed(sorted(data))}")
+    if args.accuracy:
+        scores_name, target = args.accuracy
+        where = f"--eval-data {args.eval_data}" if args.eval_data else f"--data {args.data}"
+        if scores_name not in values:
+            raise InvalidArgumentError(f"--accuracy {scores_name}:{target}: the model has no value '{scores_name}'; "
+                                       f"its outputs are {_listed(outputs)}")
+        wanted = [target] + _inputs_needed(model.graph, [scores_name])
+        missing = [n for n in wanted if n not in evaluation]
+        if missing:
+            raise InvalidArgumentError(f"--accuracy {scores_name}:{target}: {where} has no array "
+                                       f"{_listed(repr(m) for m in missing)}; it has {_listed(sorted(evaluation))}")
+
     params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=args.optimizer,
                                 enable_grad_norm_clip=args.max_grad_norm is not None,
                                 gradient_accumulation_steps=args.accumulation_steps)
@@ -78,53 +316,93 @@ def _cmd_train(args) -> int:
     if args.frozen:
         params.weights_not_to_train = args.frozen
     if args.max_grad_norm is not None:
-        from .builder import float_initializers
-
-        weights = args.weights or [w for w in float_initializers(model) if w not in (args.frozen or [])]
+        weights = args.weights or [w for w in floats if w not in (args.frozen or [])]
         params.optimizer_attributes_map = {w: {"max_norm_clip": args.max_grad_norm} for w in weights}
     providers = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
                  "auto": None}[args.device]
+    from .session import TrainingSession
+
     session = TrainingSession(model.SerializeToString(), params, providers=providers)
     done = 0
     if args.resume:
-        session.load_checkpoint(args.resume)
+        try:
+            session.load_checkpoint(args.resume)
+        except CheckpointError as exc:  # a file named on the command line that does not fit
+            raise InvalidArgumentError(f"--resume {args.resume}: {_one_line(exc)}") from None
         done = int(session.properties.get(BATCHES_SEEN, session.step * args.accumulation_steps))
+        log.info("resumed from %s at step %d (%d batches), learning rate %g", args.resume, session.step, done,
+                 session.get_learning_rate())
         ignored = [f"--{k.replace('_', '-')}" for k in _RESUMED if getattr(args, k) is not None]
-        print(f"resumed from {args.resume} at step {session.step} ({done} batches), learning rate "
-              f"{session.get_learning_rate():g}" + (f"; the checkpoint's learning rate, schedule and data order "
-                                                   f"continue, so {' '.join(ignored)} are ignored" if ignored else ""))
+        if ignored:
+            warnings.warn(f"{' '.join(ignored)} are ignored with --resume: the checkpoint's learning rate, schedule "
+                          "and data order continue", UserWarning, stacklevel=1)
     else:
         session.set_learning_rate(args.lr if args.lr is not None else 1e-3)
         if args.scheduler:
             session.register_scheduler(args.scheduler, **_scheduler_args(args))
-    print(f"training {args.model} on {session.get_providers()[0]}: {len(session.weights)} weights "
-          f"({session.get_parameters_size():,} values), {args.optimizer}, lr {session.get_learning_rate():g}, "
-          f"batch {args.batch_size}")
-    if done >= args.steps:
-        print(f"nothing to train: the checkpoint has seen {done} batches and --steps is {args.steps}")
-        losses = []
-    else:
-        losses = fit(session, data, args.steps - done, args.batch_size,
-                     seed=args.seed if args.seed is not None else 0)
+
+    losses: list[float] = []
+    with _Stop() as stop:
+        log.info("training %s on %s: %d weights (%s values), %s, lr %g, batch %d", args.model,
+                 session.get_providers()[0], len(session.weights), f"{session.get_parameters_size():,}",
+                 args.optimizer, session.get_learning_rate(), args.batch_size)
+        if done >= args.steps:
+            log.info("nothing to train: the checkpoint has seen %d batches and --steps is %d", done, args.steps)
+        else:
+            losses = fit(session, data, args.steps - done, args.batch_size,
+                         seed=args.seed if args.seed is not None else 0, progress=_progress(args), stop=stop)
+        if stop.signum is not None:  # handlers stay in place while the checkpoint is written
+            return _stopped(args, session, stop.signum, int(session.properties.get(BATCHES_SEEN, done)))
+    if losses:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {done + len(losses)} steps")
+    score = None
+    if args.accuracy:  # before anything is written: a failure here leaves no file behind
+        scores_name, target = args.accuracy
+        scores = _evaluate(session, scores_name, evaluation, args.batch_size)
+        score = accuracy(scores, evaluation[target][: len(scores)])
     if args.checkpoint:
         session.save_checkpoint(args.checkpoint)
         print(f"wrote checkpoint {args.checkpoint}")
     if args.output:
-        keep = args.keep or [o.name for o in model.graph.output if o.name != loss_name] or [loss_name]
-        session.export_model_for_inferencing(args.output, keep)
+        try:
+            session.export_model_for_inferencing(args.output, keep)
+        except BaseException:
+            if args.checkpoint:  # the trained state is kept: resuming from it loses nothing
+                log.warning("the checkpoint %s was written; -o %s was not", args.checkpoint, args.output)
+            raise
         print(f"wrote {args.output} (outputs {', '.join(keep)})")
-    if args.accuracy:
-        scores_name, _, target = args.accuracy.partition(":")
-        evaluation = data
-        if args.eval_data:
-            with np.load(args.eval_data, allow_pickle=False) as npz:
-                evaluation = {k: npz[k] for k in npz.files}
-        if target not in evaluation:
-            raise GradBuilderError(f"--accuracy {args.accuracy}: the data has no array '{target}'")
-        scores = _evaluate(session, model, scores_name, evaluation, args.batch_size)
-        print(f"accuracy ({scores_name} vs {target}): {accuracy(scores, evaluation[target][: len(scores)]):.1%}")
+    if score is not None:
+        print(f"accuracy ({args.accuracy[0]} vs {args.accuracy[1]}): {score:.1%}")
     return 0
+
+
+def _stopped(args, session, signum: int, seen: int) -> int:
+    """Training stopped by ``signum`` after ``seen`` batches: save the checkpoint if asked."""
+    name = signal.Signals(signum).name
+    if args.checkpoint:
+        session.save_checkpoint(args.checkpoint)
+        print(f"gradbuilder: {name} after {seen} of {args.steps} batches: saved the training state to "
+              f"{args.checkpoint}; to continue, run the same command with --resume {args.checkpoint}", file=sys.stderr)
+    else:
+        print(f"gradbuilder: {name} after {seen} of {args.steps} batches: nothing was saved (with --checkpoint PATH "
+              "the state is saved there when training is stopped)", file=sys.stderr)
+    return 128 + signum
+
+
+def _check_train_options(args) -> None:
+    """Options that contradict each other."""
+    if args.loss is None:
+        for option in ("loss_output", "target"):
+            if getattr(args, option) is not None:
+                raise InvalidArgumentError(f"--{option.replace('_', '-')} needs --loss")
+    if args.keep and not args.output:
+        raise InvalidArgumentError("--keep needs -o (the inference model it names the outputs of)")
+    if args.eval_data and not args.accuracy:
+        raise InvalidArgumentError("--eval-data needs --accuracy")
+    uses = {"warmup_steps": ("linear", "cosine", "constant_with_warmup"), "step_size": ("step",), "gamma": ("step",)}
+    for option, schedules in uses.items():
+        if getattr(args, option) is not None and args.scheduler not in schedules:
+            raise InvalidArgumentError(f"--{option.replace('_', '-')} needs --scheduler {' or '.join(schedules)}")
 
 
 # what a checkpoint decides when training resumes from it
@@ -141,10 +419,9 @@ def _scheduler_args(args) -> dict:
     return kwargs
 
 
-def _evaluate(session, model, output: str, data, batch_size: int):
+def _evaluate(session, output: str, data, batch_size: int):
     """``output`` of the model with the trained weights over ``data``, in whole batches."""
     import tempfile
-    from pathlib import Path
 
     import numpy as np
     import onnxruntime as ort
@@ -154,84 +431,207 @@ def _evaluate(session, model, output: str, data, batch_size: int):
         session.export_model_for_inferencing(path, [output])
         infer = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         names = [i.name for i in infer.get_inputs()]
-        n = len(data[names[0]]) // batch_size * batch_size
+        n = len(next(iter(data.values()))) // batch_size * batch_size  # the arrays share their length
         parts = [infer.run([output], {k: data[k][i: i + batch_size] for k in names})[0]
                  for i in range(0, n, batch_size)]
     return np.concatenate(parts)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="gradbuilder", description="Gradient graphs for ONNX models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------------------ the parser
+
+
+def _integer(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: '{text}'") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: '{text}'") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _output_and_target(text: str) -> tuple[str, str]:
+    scores, colon, target = text.partition(":")
+    if not colon or not scores or not target:
+        raise argparse.ArgumentTypeError(f"'{text}' is not OUTPUT:TARGET (e.g. logits:labels)")
+    return scores, target
+
+
+class _UsageError(Exception):
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors raised (``main`` prints them on one line and returns 2)."""
+
+    def error(self, message: str):
+        raise _UsageError(self.prog, message)
+
+
+def _common(p: argparse.ArgumentParser, progress: bool = False, top: bool = False) -> None:
+    # given after the command they reach the same place as before it; after it they override
+    default = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("-v", "--verbose", action="count", help="more notices (debug)", **({"default": 0} if top else default))
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar",
+                   **default)
+    if progress:
+        p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show the progress bar (default: only when stderr is a terminal)")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="gradbuilder", description="Gradient graphs for ONNX models, trained on stock onnxruntime.",
+                  epilog="Exit status: 0 done, 1 a failure while working, 2 a usage error, 130/143 training "
+                         "stopped by SIGINT/SIGTERM.")
+    top.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _common(top, top=True)
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     p = sub.add_parser("build", help="write the model with its gradient graph")
     p.add_argument("model", help="path of the forward ONNX model")
     p.add_argument("--loss", required=True, help="name of the scalar loss value")
-    p.add_argument("--weights", nargs="+", metavar="N", help="values to differentiate")
-    p.add_argument("--all-initializers", action="store_true",
-                   help="differentiate every float initializer (the default without --weights)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--weights", nargs="+", metavar="N", help="values to differentiate")
+    which.add_argument("--all-initializers", action="store_true",
+                       help="differentiate every float initializer (the default without --weights)")
     p.add_argument("--outputs", nargs="+", metavar="N", help="values kept as outputs (default: the loss)")
     p.add_argument("-o", "--output", required=True, help="path of the model to write")
+    _common(p)
     p.set_defaults(fn=_cmd_build)
+
     p = sub.add_parser("artifacts", help="write training, eval and optimizer models and a checkpoint")
     p.add_argument("model", help="path of the forward ONNX model")
     p.add_argument("--loss", help="append a loss: crossentropy, nll, mse, l1, bcewithlogits "
                                   "(default: the model's first output is the loss)")
-    p.add_argument("--loss-output", help="the output the loss reads (default: the first output)")
+    p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
+    p.add_argument("--target", help="with --loss: name of its target input (default target)")
     p.add_argument("--optimizer", default="adamw", help="sgd, adam, adamw, adagrad or lamb (default adamw)")
     p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
-    p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into")
+    p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
+    _common(p)
     p.set_defaults(fn=_cmd_artifacts)
-    sub.add_parser("ops", help="list the registered gradient rules").set_defaults(fn=_cmd_ops)
+
+    p = sub.add_parser("ops", help="list the registered gradient rules")
+    _common(p)
+    p.set_defaults(fn=_cmd_ops)
+
     p = sub.add_parser("demo", help="check the gradients of a shipped model, train it, export it, measure it")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--steps", type=_integer(1), default=300, help="training steps (default 300)")
     p.add_argument("--output", help="also keep the trained inference model at this path")
+    _common(p, progress=True)
     p.set_defaults(fn=_cmd_demo)
+
     p = sub.add_parser("train", help="train a model on arrays from an .npz file with onnxruntime")
     p.add_argument("model", help="path of the forward ONNX model")
     p.add_argument("--data", required=True, help=".npz file with one array per model input (same length on axis 0)")
     p.add_argument("--loss-name", help="the model's loss output (default: its first output); with --loss, the name of the "
-                                         "appended one (default loss)")
+                                       "appended one (default loss)")
     p.add_argument("--loss", help="append a loss instead: crossentropy, nll, mse, l1, bcewithlogits")
     p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
-    p.add_argument("--target", default="target", help="with --loss: name of its target input (default target)")
+    p.add_argument("--target", help="with --loss: name of its target input (default target)")
     p.add_argument("--optimizer", default="adamw", help="sgd, adam, adamw, adagrad or lamb (default adamw)")
-    p.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
-    p.add_argument("--steps", type=int, default=300,
+    p.add_argument("--lr", type=_positive_float, help="learning rate (default 1e-3)")
+    p.add_argument("--steps", type=_integer(1), default=300,
                    help="batches to train on in all, counting the checkpoint's with --resume (default 300)")
-    p.add_argument("--batch-size", type=int, default=32, help="rows per step (default 32)")
-    p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
+    p.add_argument("--batch-size", type=_integer(1), default=32, help="rows per step (default 32)")
+    p.add_argument("--seed", type=_integer(0), help="shuffling seed (default 0)")
     p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
-    p.add_argument("--max-grad-norm", type=float, help="clip gradients to this global L2 norm")
-    p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update (default 1)")
+    p.add_argument("--max-grad-norm", type=_positive_float, help="clip gradients to this global L2 norm")
+    p.add_argument("--accumulation-steps", type=_integer(1), default=1, help="micro-batches per update (default 1)")
     p.add_argument("--scheduler", choices=["linear", "cosine", "constant_with_warmup", "step"],
                    help="learning-rate schedule")
-    p.add_argument("--warmup-steps", type=int, help="scheduler warm-up updates (default 0)")
-    p.add_argument("--step-size", type=int, help="step scheduler: updates per decay (default 100)")
-    p.add_argument("--gamma", type=float, help="step scheduler: decay factor (default 0.1)")
+    p.add_argument("--warmup-steps", type=_integer(0), help="scheduler warm-up updates (default 0)")
+    p.add_argument("--step-size", type=_integer(1), help="step scheduler: updates per decay (default 100)")
+    p.add_argument("--gamma", type=_positive_float, help="step scheduler: decay factor (default 0.1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when usable, else CPU (default)")
     p.add_argument("--resume", help="checkpoint to continue from: its weights, optimizer state, learning rate, "
                                     "schedule and data order (--lr, --scheduler and its options, --seed are ignored)")
-    p.add_argument("--checkpoint", help="write a checkpoint here at the end")
+    p.add_argument("--checkpoint", help="write a checkpoint here at the end, or when SIGINT (Ctrl-C) or SIGTERM "
+                                        "stops training")
     p.add_argument("-o", "--output", help="write the trained model for inference here")
     p.add_argument("--keep", nargs="+", metavar="N", help="outputs of the inference model (default: all but the loss)")
-    p.add_argument("--accuracy", metavar="OUTPUT:TARGET",
+    p.add_argument("--accuracy", metavar="OUTPUT:TARGET", type=_output_and_target,
                    help="report classification accuracy of OUTPUT (scores) against the data's TARGET array")
     p.add_argument("--eval-data", help=".npz for --accuracy (default: the training data)")
+    _common(p, progress=True)
     p.set_defaults(fn=_cmd_train)
-    args = parser.parse_args(argv)
+    return top
+
+
+# ------------------------------------------------------------------ main
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            return f"gradbuilder: {record.levelname.lower()}: {message}"
+        if record.levelno < logging.INFO:
+            return f"gradbuilder: debug: {record.name}: {message}"
+        return message
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings`` as one line through the ``gradbuilder`` logger (what the user should change)."""
+    kind = "" if category is UserWarning else f"{category.__name__}: "
+    logging.getLogger("gradbuilder").warning("%s%s", kind, _one_line(message))
+
+
+def _one_line(exc) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"{exc.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    root = logging.getLogger("gradbuilder")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    level = root.level
+    root.setLevel(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
+    root.addHandler(handler)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
+            warnings.showwarning = _show_warning
             return args.fn(args)
     except GradBuilderError as exc:
-        print(f"gradbuilder: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"gradbuilder: error: {_one_line(exc)}", file=sys.stderr)
+        return exit_status(exc)
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except OSError as exc:  # a file that could not be written: disk full, permissions
+        print(f"gradbuilder: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside training steps (while loading or building)
+        print("gradbuilder: interrupted; nothing was saved", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
 
 
 if __name__ == "__main__":

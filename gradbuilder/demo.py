@@ -2,7 +2,7 @@
 
 A two-layer MLP classifier with its loss inside (``data/demo_mlp.onnx``): its gradient graph
 is checked against float64 finite differences and against onnxruntime, then a
-TrainingSession trains it with AdamW on synthetic data (progress bar with loss and steps/s),
+TrainingSession trains it with AdamW on synthetic data (a progress bar on a terminal),
 exports the trained model for inference and measures its accuracy on held-out data.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .builder import GradientGraphBuilder
+from .errors import InvalidArgumentError
 from .testing import gradcheck
 
 WEIGHTS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
@@ -34,7 +35,12 @@ def demo_batch(batch: int = 32, seed: int = 0):
 
 
 def run(print_fn=print, steps: int = 300, lr: float = 0.01, batch_size: int = 64, output: str | None = None,
-        stream=None) -> bool:
+        stream=None, progress: bool | None = None) -> bool:
+    """Run the demo, reporting each check through ``print_fn``; True when all of them pass.
+    ``output``: also keep the trained inference model there. ``progress``, ``stream``: the
+    training progress bar (see ``loop.fit``: by default only on a terminal)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidArgumentError(f"steps must be an int >= 1, got {steps!r}")
     import onnxruntime as ort
 
     from . import TrainingParameters
@@ -69,7 +75,7 @@ def run(print_fn=print, steps: int = 300, lr: float = 0.01, batch_size: int = 64
     train_x, train_y = demo_batch(4096, seed=1)
     print_fn(f"training on {session.get_providers()[0]}: AdamW, lr {lr}, batch {batch_size}, {steps} steps")
     t0 = time.perf_counter()
-    losses = fit(session, {"x": train_x, "labels": train_y}, steps, batch_size, stream=stream)
+    losses = fit(session, {"x": train_x, "labels": train_y}, steps, batch_size, stream=stream, progress=progress)
     rate = steps / (time.perf_counter() - t0)
     trained = np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
     print_fn(f"loss {np.mean(losses[:10]):.4f} -> {np.mean(losses[-10:]):.4f} (mean of first/last 10 steps), "

@@ -582,14 +582,15 @@ def _ort_version() -> str:
 
 
 def get_version_string() -> str:
-    """gradbuilder's version and onnxruntime's, e.g.
-    ``"gradbuilder 0.1.0 on onnxruntime 1.31.1"``."""
-    return f"gradbuilder {_gradbuilder_version()} on onnxruntime {_ort_version()}"
+    """gradbuilder's version, bare, as ``onnxruntime.get_version_string()`` gives its own:
+    ``"0.1.0"``."""
+    return _gradbuilder_version()
 
 
 def get_build_info() -> str:
-    """:func:`get_version_string` followed by onnxruntime's own build information
-    (``onnxruntime.get_build_info()``: git commit, build type)."""
+    """gradbuilder's version, the onnxruntime it runs on and onnxruntime's own build
+    information (``onnxruntime.get_build_info()``: git commit, build type), e.g.
+    ``"gradbuilder 0.1.0 on onnxruntime 1.31.1; ORT Build Info: git-branch=..."``."""
     fn = getattr(ort, "get_build_info", None)
     info = fn() if fn is not None else "build info not available"
-    return f"{get_version_string()}; {info}"
+    return f"gradbuilder {get_version_string()} on onnxruntime {_ort_version()}; {info}"

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -58,6 +60,12 @@ def test_demo_passes(capsys):
     assert "gradcheck" in out and "all checks passed" in out
 
 
+def _losses(out: str) -> tuple[float, float]:
+    """The first and last loss of the result line ``loss A -> B after N steps``."""
+    first, last = re.search(r"^loss (\S+) -> (\S+) after \d+ steps$", out, re.M).groups()
+    return float(first), float(last)
+
+
 def _demo_files(tmp_path):
     from gradbuilder.demo import demo_batch, demo_model_bytes
 
@@ -76,7 +84,7 @@ def test_train_trains_saves_a_checkpoint_and_exports(tmp_path, capsys):
                  "--scheduler", "cosine", "--warmup-steps", "10", "--checkpoint", str(ckpt), "-o", str(out),
                  "--keep", "logits", "--accuracy", "logits:labels"]) == 0
     text = capsys.readouterr().out
-    first, last = (float(v) for v in text.split("\nloss ")[1].split(" after")[0].split(" -> "))
+    first, last = _losses(text)
     assert last < 0.5 * first
     assert ckpt.exists() and out.exists()
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -100,8 +108,9 @@ def test_train_resumed_continues_schedule_and_data_order_as_one_run(tmp_path, ca
     capsys.readouterr()
     assert main(["train", str(model), "--data", str(data), "--batch-size", "32", "--steps", "120",
                  "--lr", "0.5", "--resume", str(half), "--checkpoint", str(resumed)]) == 0
-    out = capsys.readouterr().out
-    assert f"resumed from {half} at step 60 (60 batches)" in out and "--lr are ignored" in out
+    err = capsys.readouterr().err  # notices and warnings on stderr, results on stdout
+    assert f"resumed from {half} at step 60 (60 batches)" in err
+    assert "gradbuilder: warning: --lr are ignored with --resume" in err
     a, meta_a = checkpoint.load(whole)
     b, meta_b = checkpoint.load(resumed)
     assert a.keys() == b.keys()
@@ -109,7 +118,7 @@ def test_train_resumed_continues_schedule_and_data_order_as_one_run(tmp_path, ca
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert meta_a["learning_rate"] == meta_b["learning_rate"]
     assert main(["train", str(model), "--data", str(data), "--steps", "100", "--resume", str(resumed)]) == 0
-    assert "nothing to train" in capsys.readouterr().out
+    assert "nothing to train" in capsys.readouterr().err
 
 
 def test_train_with_appended_loss_on_a_logits_model(tmp_path, capsys):
@@ -119,7 +128,7 @@ def test_train_with_appended_loss_on_a_logits_model(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", x=x, target=rng.standard_normal((16, 3, 4)).astype(np.float32))
     assert main(["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "mse",
                  "--loss-output", "y", "--loss-name", "mse_loss", "--steps", "30", "--batch-size", "2", "--lr", "0.05"]) == 0
-    first, last = (float(v) for v in capsys.readouterr().out.split("\nloss ")[1].split(" after")[0].split(" -> "))
+    first, last = _losses(capsys.readouterr().out)
     assert last < first
 
 
@@ -128,3 +137,16 @@ def test_train_reports_data_without_the_model_inputs(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", x=x)
     assert main(["train", str(model), "--data", str(tmp_path / "bad.npz"), "--steps", "2"]) == 2
     assert "labels" in capsys.readouterr().err
+
+
+def test_artifacts_target_names_the_loss_input(tmp_path, capsys):
+    from .helpers import make_model, tensor, vi
+
+    logits = make_model([onnx.helper.make_node("MatMul", ["x", "W"], ["logits"])], [vi("x", ["batch", 4])],
+                        [vi("logits", ["batch", 3])], [tensor("W", np.ones((4, 3), np.float32))])
+    model = tmp_path / "logits.onnx"
+    onnx.save(logits, model)
+    out = tmp_path / "artifacts"
+    assert main(["artifacts", str(model), "--loss", "crossentropy", "--target", "y", "-o", str(out)]) == 0
+    inputs = [i.name for i in onnx.load(str(out / "training_model.onnx")).graph.input]
+    assert "y" in inputs and "target" not in inputs

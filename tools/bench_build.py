@@ -189,9 +189,11 @@ def main() -> None:
     if args.child:
         _child(args.child)
         return
+    from tqdm import tqdm  # a progress bar on a terminal (stderr), nothing in logs and pipes
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in args.nodes:
+        for n in tqdm(args.nodes, desc=f"bench_build {args.kind}", unit=" models", disable=None):
             path = os.path.join(tmp, f"transformer_{n}.onnx")
             onnx.save(make(args.kind, layers_for(args.kind, n)), path)
             out = subprocess.run([sys.executable, __file__, "--child", path], capture_output=True, text=True)

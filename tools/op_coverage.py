@@ -234,12 +234,22 @@ def _indexed_check(pair):
 
 
 def run(only=None, jobs: int = 1):
+    from tqdm import tqdm  # a progress bar on a terminal (stderr), nothing in logs and pipes
+
     items = _cases(only)
-    if jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            done = pool.imap_unordered(_indexed_check, list(enumerate(items)))  # one case at a time
-            return [r for _, r in sorted(done, key=lambda kr: kr[0])]
-    return [check_case(i) for i in items]
+    with tqdm(total=len(items), desc="op coverage", unit=" cases", disable=None) as bar:
+        if jobs > 1:
+            with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+                done = []
+                for kr in pool.imap_unordered(_indexed_check, list(enumerate(items))):  # one case at a time
+                    done.append(kr)
+                    bar.update(1)
+                return [r for _, r in sorted(done, key=lambda kr: kr[0])]
+        results = []
+        for i in items:
+            results.append(check_case(i))
+            bar.update(1)
+        return results
 
 
 def summarize(results):
