@@ -1,9 +1,11 @@
-"""Checkpoints: the safetensors layout byte for byte, round trips, atomic writes, and damaged
-files refused with CheckpointError."""
+"""Checkpoints: the safetensors layout byte for byte, round trips, atomic writes, files of
+the first format still read, and damaged files refused with CheckpointError."""
 
+import base64
 import hashlib
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -15,6 +17,9 @@ from gradbuilder import checkpoint
 from gradbuilder.errors import CheckpointError, InvalidArgumentError
 
 DAMAGED = r"corrupt|truncated"
+FOREIGN = "a safetensors file without gradbuilder's metadata (saved by another program"
+FORMAT = "gradbuilder-checkpoint/2"
+FORMAT_V1 = "gradbuilder-checkpoint/1"
 
 # safetensors dtype name -> little-endian numpy dtype, written out from the format's spec
 SPEC_DTYPES = {
@@ -49,17 +54,39 @@ def read_raw(path):
 
 
 def digest_of(header, data):
-    """The documented digest: SHA-256 of the header less the digest (sorted JSON), then the data."""
+    """The documented digest of format 1: SHA-256 of the header less the digest (sorted JSON),
+    then the data section."""
     described = json.loads(json.dumps(header))
     described.get("__metadata__", {}).pop("sha256", None)
     return hashlib.sha256(json.dumps(described, sort_keys=True, ensure_ascii=False).encode() + data).hexdigest()
 
 
+def digest_v2(header, data):
+    """The documented digest of format 2: SHA-256 of the compact sorted JSON of {"metadata":
+    metadata less the digest, "tensors": [[name, dtype, shape], ...] in name order}, then each
+    tensor's bytes in name order."""
+    header = json.loads(json.dumps(header))
+    meta = header.pop("__metadata__", {})
+    meta.pop("sha256", None)
+    names = sorted(header)
+    described = {"metadata": meta, "tensors": [[n, header[n]["dtype"], header[n]["shape"]] for n in names]}
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
+    for n in names:
+        begin, end = header[n]["data_offsets"]
+        digest.update(data[begin:end])
+    return digest.hexdigest()
+
+
 def write_raw(path, header, data, fix_sha=True):
-    """A file from a header dict and data bytes; sha256 set to the documented digest if asked."""
+    """A file from a header dict and data bytes; sha256 set to the documented digest of the
+    header's format if asked."""
     header = json.loads(json.dumps(header))
     if fix_sha and "__metadata__" in header:
-        header["__metadata__"]["sha256"] = digest_of(header, data)
+        v2 = header["__metadata__"].get("format") == FORMAT
+        try:
+            header["__metadata__"]["sha256"] = (digest_v2 if v2 else digest_of)(header, data)
+        except (TypeError, ValueError, KeyError):  # entries too malformed to digest: any digest will do
+            header["__metadata__"]["sha256"] = "0" * 64
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
@@ -71,6 +98,33 @@ def small_checkpoint(path):
                "step": np.array(7, np.int64)}
     checkpoint.save(path, tensors, {"model": "tiny"})
     return tensors
+
+
+def laid_out_checkpoint(path, format=FORMAT):
+    """The small checkpoint written by hand in a fixed layout (w: F32 [3,4] at [0,48]; b: I64
+    [3] at [48,72]; step: I64 [] at [72,80]) in either format, with its documented digest."""
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, -2, 3], np.int64),
+               "step": np.array(7, np.int64)}
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": {"float32": "F32", "int64": "I64"}[array.dtype.name], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    header["__metadata__"] = {"model": "tiny", "format": format}
+    write_raw(path, header, b"".join(a.astype(a.dtype.newbyteorder("<")).tobytes() for a in tensors.values()))
+    return tensors
+
+
+# bytes of a checkpoint written by the first format's writer (gradbuilder.checkpoint before it
+# used the safetensors package): w F32 [2,3], Step I64 [], h BF16 [1.5, -2], flag BOOL, u U16
+V1_FILE = base64.b64decode(
+    "yAEAAAAAAAB7InciOnsiZHR5cGUiOiJGMzIiLCJzaGFwZSI6WzIsM10sImRhdGFfb2Zmc2V0cyI6WzAsMjRdfSwiU3RlcCI6"
+    "eyJkdHlwZSI6Ikk2NCIsInNoYXBlIjpbXSwiZGF0YV9vZmZzZXRzIjpbMjQsMzJdfSwiaCI6eyJkdHlwZSI6IkJGMTYiLCJz"
+    "aGFwZSI6WzJdLCJkYXRhX29mZnNldHMiOlszMiwzNl19LCJmbGFnIjp7ImR0eXBlIjoiQk9PTCIsInNoYXBlIjpbMl0sImRh"
+    "dGFfb2Zmc2V0cyI6WzM2LDM4XX0sInUiOnsiZHR5cGUiOiJVMTYiLCJzaGFwZSI6WzFdLCJkYXRhX29mZnNldHMiOlszOCw0"
+    "MF19LCJfX21ldGFkYXRhX18iOnsibW9kZWwiOiJ0aW55IiwibGVhcm5pbmdfcmF0ZSI6IjAuMDEiLCJmb3JtYXQiOiJncmFk"
+    "YnVpbGRlci1jaGVja3BvaW50LzEiLCJzaGEyNTYiOiIzMjk4MDlmOTQ2NTJlZGMyMzQ4OGMwMTlhNzZhMzVjZTY2Y2NkODhj"
+    "OWM0Y2U0YjMwYjdhMWRjMTgxNTA0MzhmIn19ICAgICAAAAAAAACAPwAAAEAAAEBAAACAQAAAoEADAAAAAAAAAMA/AMABAAcA")
 
 
 def raiser(exc):
@@ -104,10 +158,12 @@ def test_round_trip_many_tensors_keeps_order_and_returns_owned_writable_arrays(t
                for i, (code, shape) in enumerate((c, s) for c in SPEC_DTYPES for s in [(), (0, 4), (3, 2)])}
     checkpoint.save(tmp_path / "c", tensors)
     got, _ = checkpoint.load(tmp_path / "c")
-    assert list(got) == list(tensors)
+    assert list(got) == sorted(tensors)  # name order: the package lays the file out by dtype, then name
+    os.remove(tmp_path / "c")  # nothing maps the file
     for name, array in tensors.items():
         assert_same(got[name], array)
-        assert got[name].flags.writeable and got[name].flags.owndata
+        assert got[name].flags.writeable and not any(
+            np.shares_memory(got[name], other) for n, other in got.items() if n != name and other.size)
     got["f32.3"][...] = 0  # writable, and independent of the other arrays
     assert_same(got["f32.4"], tensors["f32.4"])
 
@@ -117,9 +173,9 @@ def test_metadata_round_trip_and_format_and_digest_added(tmp_path):
     checkpoint.save(tmp_path / "c", {"x": np.ones(3, np.float32)}, meta)
     _, got = checkpoint.load(tmp_path / "c")
     assert {k: got[k] for k in meta} == meta
-    assert got["format"] == "gradbuilder-checkpoint/1"
+    assert got["format"] == FORMAT
     _, header, _, data = read_raw(tmp_path / "c")
-    assert got["sha256"] == digest_of(header, data)
+    assert got["sha256"] == digest_v2(header, data)
     # what load returns can be saved again: save sets format and sha256 itself
     checkpoint.save(tmp_path / "d", *checkpoint.load(tmp_path / "c"))
     assert checkpoint.load(tmp_path / "d")[1] == got
@@ -129,7 +185,7 @@ def test_no_tensors(tmp_path):
     checkpoint.save(tmp_path / "c", {})
     tensors, meta = checkpoint.load(tmp_path / "c")
     _, header, _, data = read_raw(tmp_path / "c")
-    assert tensors == {} and data == b"" and meta["sha256"] == digest_of(header, b"")
+    assert tensors == {} and data == b"" and meta["sha256"] == digest_v2(header, b"")
 
 
 # --- the layout, checked by hand against the format -------------------------------------
@@ -148,12 +204,12 @@ def test_byte_layout_follows_the_safetensors_spec(tmp_path):
     assert (8 + n) % 8 == 0 and len(blob) == 8 + n + len(data)
     stripped = raw.rstrip(b" ")  # the JSON object, then fewer than 8 spaces of padding
     assert stripped.startswith(b"{") and stripped.endswith(b"}") and len(raw) - len(stripped) < 8
-    assert header.pop("__metadata__") == {"k": "v", "format": "gradbuilder-checkpoint/1",
-                                         "sha256": digest_of({**header, "__metadata__": {"k": "v", "format": "gradbuilder-checkpoint/1"}}, data)}
-    assert list(header) == list(tensors)  # stored in header order, contiguous
+    assert header.pop("__metadata__") == {"k": "v", "format": FORMAT,
+                                         "sha256": digest_v2({**header, "__metadata__": {"k": "v", "format": FORMAT}}, data)}
+    assert set(header) == set(tensors)  # contiguous, in the order the package chose
     offset = 0
-    for name, array in tensors.items():
-        entry = header[name]
+    for name in sorted(header, key=lambda n: header[n]["data_offsets"]):
+        array, entry = tensors[name], header[name]
         assert set(entry) == {"dtype", "shape", "data_offsets"}
         begin, end = entry["data_offsets"]
         assert begin == offset
@@ -188,7 +244,7 @@ def test_readable_by_the_safetensors_library(tmp_path):
     assert bf16.view(dtype=__import__("torch").int16).numpy().tobytes() == tensors["BF16"].tobytes()
     with safe_open(path, framework="numpy") as f:
         assert f.metadata()["model"] == "tiny"
-        assert f.metadata()["format"] == "gradbuilder-checkpoint/1"
+        assert f.metadata()["format"] == FORMAT
 
 
 def test_reads_a_file_written_by_the_safetensors_library(tmp_path):
@@ -196,7 +252,7 @@ def test_reads_a_file_written_by_the_safetensors_library(tmp_path):
 
     tensors = {"b": np.arange(5, dtype=np.int16), "a": np.ones((2, 2), np.float64), "c": np.array(1, np.uint8)}
     path = tmp_path / "lib.safetensors"
-    meta = {"format": "gradbuilder-checkpoint/1", "sha256": "0" * 64}
+    meta = {"format": FORMAT_V1, "sha256": "0" * 64}
     save_file(tensors, path, metadata=meta)
     _, header, _, data = read_raw(path)  # the library's own tensor order: fill in the digest
     save_file(tensors, path, metadata={**meta, "sha256": digest_of(header, data)})
@@ -316,9 +372,9 @@ def test_flipped_byte_in_data_is_a_digest_mismatch(tmp_path):
     (b'"dtype"', 3),      # an entry's key
     (b"F32", 1),          # a dtype
     (b"[3,4]", 3),        # a shape
-    (b"[0,48]", 4),       # data offsets
+    (b'"data_offsets":[', 16),  # data offsets
     (b'"sha256":"', 3),   # the digest's key
-    (b"gradbuilder-checkpoint/1", 12),
+    (b"gradbuilder-checkpoint/", 12),
 ])
 @pytest.mark.parametrize("bit", [0x01, 0x20])
 def test_flipped_byte_in_header(tmp_path, target, at, bit):
@@ -345,13 +401,11 @@ def test_flipped_digest_character(tmp_path):
 
 
 @pytest.mark.parametrize("content", [
-    b"",
     b"hello",
     b"not a checkpoint at all, just some text that goes on for a while",
     np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
     struct.pack("<Q", 2) + b"[]",
     struct.pack("<Q", 4) + b"\xff\xfe{}",
-    struct.pack("<Q", 2) + b"{}",  # valid JSON, no metadata
 ])
 def test_garbage_file(tmp_path, content):
     path = tmp_path / "c"
@@ -370,11 +424,21 @@ def test_header_length_beyond_file(tmp_path, n):
         checkpoint.load(path)
 
 
-def _edited(tmp_path, edit, data_edit=None):
-    """Write the small checkpoint, change its parsed header (and data), write it back with a
-    matching digest, and return the path."""
+@pytest.mark.parametrize("n", [0x280, 0x380, 0x480, 0x580])
+@pytest.mark.parametrize("keep", [2, 4, 8, 12])
+def test_truncated_file_whose_header_length_starts_like_a_pickle(tmp_path, n, keep):
+    """Header lengths of 640, 896, 1152 and 1408 bytes start with pickle's PROTO and a protocol."""
     path = tmp_path / "c"
-    small_checkpoint(path)
+    path.write_bytes((struct.pack("<Q", n) + b'{"w":')[:keep])
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.load(path)
+
+
+def _edited(tmp_path, edit, data_edit=None, format=FORMAT):
+    """Write the small checkpoint in its fixed layout, change its parsed header (and data),
+    write it back with a matching digest, and return the path."""
+    path = tmp_path / "c"
+    laid_out_checkpoint(path, format)
     _, header, _, data = read_raw(path)
     edit(header)
     write_raw(path, header, data_edit(data) if data_edit else data)
@@ -406,11 +470,14 @@ def _set(name, key, value):
     (lambda h: h.pop("__metadata__"), None, "__metadata__"),
     (lambda h: h["__metadata__"].pop("format"), None, "format"),
     (lambda h: h["__metadata__"].__setitem__("format", "other/2"), None, "format"),
+    (lambda h: h["__metadata__"].__setitem__("format", "gradbuilder-checkpoint/9"), None, "newer gradbuilder"),
     (lambda h: h["__metadata__"].__setitem__("epoch", 3), None, "strings"),
 ])
-def test_inconsistent_header(tmp_path, edit, data_edit, match):
-    path = _edited(tmp_path, edit or (lambda h: None), data_edit)
-    with pytest.raises(CheckpointError, match=DAMAGED) as info:
+@pytest.mark.parametrize("format", [FORMAT, FORMAT_V1])
+def test_inconsistent_header(tmp_path, edit, data_edit, match, format):
+    path = _edited(tmp_path, edit or (lambda h: None), data_edit, format)
+    # a header without gradbuilder's format is another program's safetensors file, not a damaged one
+    with pytest.raises(CheckpointError, match=DAMAGED + "|" + re.escape(FOREIGN)) as info:
         checkpoint.load(path)
     assert match in str(info.value)
 
@@ -445,3 +512,78 @@ def test_changed_metadata_value_or_tensor_name_is_a_digest_mismatch(tmp_path):
         path.write_bytes(blob.replace(old, new))  # still valid JSON, same length
         with pytest.raises(CheckpointError, match="corrupt"):
             checkpoint.load(path)
+
+
+# --- the first format -----------------------------------------------------------------------
+
+def test_file_of_the_first_format_loads_and_its_digest_is_checked(tmp_path):
+    path = tmp_path / "v1.safetensors"
+    path.write_bytes(V1_FILE)
+    tensors, meta = checkpoint.load(path)
+    assert list(tensors) == ["Step", "flag", "h", "u", "w"]
+    assert_same(tensors["w"], np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert_same(tensors["Step"], np.array(3, np.int64))
+    assert_same(tensors["h"], np.array([1.5, -2], ml_dtypes.bfloat16))
+    assert_same(tensors["flag"], np.array([True, False]))
+    assert_same(tensors["u"], np.array([7], np.uint16))
+    assert meta["format"] == FORMAT_V1 and meta["model"] == "tiny" and meta["learning_rate"] == "0.01"
+    checkpoint.save(tmp_path / "again", tensors, meta)  # saved again: the current format
+    assert checkpoint.load(tmp_path / "again")[1]["format"] == FORMAT
+    for at in (-3, len(V1_FILE) // 2):
+        blob = bytearray(V1_FILE)
+        blob[at] ^= 0x01
+        path.write_bytes(bytes(blob))
+        with pytest.raises(CheckpointError, match=DAMAGED):
+            checkpoint.load(path)
+
+
+def test_reads_a_file_written_by_the_safetensors_library_with_the_documented_digest(tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = {"b": np.arange(5, dtype=np.int16), "a": np.ones((2, 2), np.float64), "c": np.array(1, np.uint8),
+               "ü": np.array([0.5], ml_dtypes.bfloat16)}
+    path = tmp_path / "lib.safetensors"
+    meta = {"format": FORMAT, "note": "x", "sha256": "0" * 64}
+    save_file(tensors, path, metadata=meta)
+    _, header, _, data = read_raw(path)
+    save_file(tensors, path, metadata={**meta, "sha256": digest_v2(header, data)})
+    got, got_meta = checkpoint.load(path)
+    assert list(got) == sorted(tensors) and got_meta["note"] == "x"
+    for name, array in tensors.items():
+        assert_same(got[name], array)
+
+
+def write_v1(path, tensors, metadata):
+    """``tensors`` laid out as the first format's writer did (in the dict's order) with its digest."""
+    codes = {np.dtype(v).str: k for k, v in SPEC_DTYPES.items() if k != "BF16"}
+    header, chunks, offset = {}, [], 0
+    for name, array in tensors.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        code = "BF16" if array.dtype == ml_dtypes.bfloat16 else codes[array.dtype.newbyteorder("<").str]
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        chunks.append(raw)
+    header["__metadata__"] = {**metadata, "format": FORMAT_V1}
+    write_raw(path, header, b"".join(chunks))
+
+
+def test_session_resumes_from_a_checkpoint_in_the_first_format(tmp_path):
+    from .test_session import batches, feeds, session, state_arrays
+
+    s = session()
+    for x, y in batches(2, seed=5):
+        s.run(["loss"], feeds(x, y))
+    s.set_learning_rate(0.003)
+    s.save_checkpoint(tmp_path / "new.ckpt")
+    tensors, meta = checkpoint.load(tmp_path / "new.ckpt")
+    write_v1(tmp_path / "old.ckpt", dict(reversed(list(tensors.items()))), meta)
+    assert checkpoint.load(tmp_path / "old.ckpt")[1]["format"] == FORMAT_V1
+    resumed = session()
+    resumed.load_checkpoint(tmp_path / "old.ckpt")
+    want, got = state_arrays(s), state_arrays(resumed)
+    assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
+    assert resumed.get_learning_rate() == 0.003
+    # and one of another model is still refused by the fingerprint
+    other = session(hidden=4)
+    with pytest.raises(CheckpointError, match="another model or optimizer"):
+        other.load_checkpoint(tmp_path / "old.ckpt")
