@@ -14,7 +14,7 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
-from . import modelio
+from . import compat, files, modelio
 from .errors import InvalidArgumentError
 from .passes.cleanup import remove_unused_nodes
 from .passes.optimizer import initial_state
@@ -23,14 +23,18 @@ from .training import optimizer_only_model
 
 
 def export_model_for_inferencing(model, output_path: str | os.PathLike, output_names: Sequence[str],
-                                 weights: Mapping[str, np.ndarray] | None = None) -> str:
+                                 weights: Mapping[str, np.ndarray] | None = None, base_dir=None) -> str:
     """Write ``model`` (forward graph: bytes, path or ModelProto, never modified) to
     ``output_path`` with the initializers in ``weights`` replaced by the given (trained)
     values and only ``output_names`` as outputs; nodes those outputs do not need are removed.
     The model is written in inference mode (``passes.running_stats.inference_form``:
     BatchNormalization reads its running statistics, Dropout passes through), so each output
-    depends on its own sample only. The write is atomic."""
-    proto = inference_form(modelio.load_proto(model))
+    depends on its own sample only. The write is atomic. ``base_dir``: where the model's
+    external data files are (default: the folder of the model's path)."""
+    files.check_output_path(output_path, what="inference model")  # before any work
+    proto = modelio.load_proto(model, base_dir)
+    compat.check_for_runtime(proto)
+    proto = inference_form(proto)
     inits = {t.name: t for t in proto.graph.initializer}
     for name, value in (weights or {}).items():
         if name not in inits:
@@ -83,7 +87,7 @@ def _output_values(graph: ir.Graph, values: list[ir.Value]) -> list[ir.Value]:
 def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen_params: Sequence[str] = (),
                        loss: str | None = None, optimizer: str = "adamw", artifact_directory: str | os.PathLike = ".",
                        prefix: str = "", *, loss_output: str | None = None, target_name: str = "target",
-                       optimizer_options: dict | None = None) -> dict[str, str]:
+                       optimizer_options: dict | None = None, base_dir=None) -> dict[str, str]:
     """Write the training artifacts of ``model`` into ``artifact_directory``, as onnxruntime's
     ``generate_artifacts`` does, every one loadable by stock onnxruntime:
 
@@ -101,15 +105,20 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     ``loss_output`` (default: the model's first output), reading a new input ``target_name``;
     without it the model's first output is the loss. ``requires_grad`` defaults to every float
     initializer not in ``frozen_params``. Nothing is written unless every artifact builds.
+    ``base_dir``: where the model's external data files are (default: the folder of its path).
     """
-    import tempfile
-    from pathlib import Path
-
     from .builder import GradientGraphBuilder, float_initializers
     from .passes.loss import append_loss
     from .passes.optimizer import resolve
 
-    proto = modelio.load_proto(model)
+    from .torch_exports import warn_inference_export
+
+    names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+                                          "checkpoint.npz")}
+    directory = _check_artifact_paths(artifact_directory, names)
+    proto = modelio.load_proto(model, base_dir)
+    warn_inference_export(proto)
+    compat.check_for_runtime(proto)
     if loss is not None:
         output = loss_output or proto.graph.output[0].name
         proto = append_loss(proto, loss, output, target_name=target_name, loss_name="loss")
@@ -117,11 +126,16 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     else:
         loss_name = proto.graph.output[0].name
     buffers = buffers_of(proto)
+    if isinstance(requires_grad, str):
+        raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
     weights = list(requires_grad) if requires_grad is not None else [w for w in float_initializers(proto)
                                                                        if w not in buffers]
     weights = [w for w in weights if w not in set(frozen_params)]
+    _check_weights(proto, weights, buffers)
     options = resolve(optimizer, optimizer_options)
-    training = GradientGraphBuilder(proto, weights, [loss_name], loss_name, running_statistics=True).build()
+    training = GradientGraphBuilder(proto, weights, [loss_name], loss_name, running_statistics=True)
+    training._warn_about_model = False  # said above
+    training.build()
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     optimizer_model = optimizer_only_model({w: inits[w] for w in weights}, optimizer, options)
     state = {"Step": np.array(0, np.int64), **{b: inits[b] for b in buffers}}
@@ -130,22 +144,47 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
         for s, value in initial_state(optimizer, options, inits[w]).items():
             state[f"{w}.{s}"] = value
 
-    directory = Path(artifact_directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
-                                          "checkpoint.npz")}
-    tmp = Path(tempfile.mkdtemp(prefix=".gradbuilder-", dir=directory))
-    try:
-        training.save(tmp / names["training_model.onnx"])
-        onnx.save(inference_form(proto), tmp / names["eval_model.onnx"])
-        onnx.save(optimizer_model, tmp / names["optimizer_model.onnx"])
-        np.savez(tmp / names["checkpoint.npz"], **state)
-        written = {}
-        for key, name in names.items():
-            os.replace(tmp / name, directory / name)
-            written[key] = str(directory / name)
-        return written
-    finally:
-        for leftover in tmp.glob("*"):
-            leftover.unlink()
-        tmp.rmdir()
+    training_model = training._built()
+    data_name = names["training_model.onnx"] + ".data"  # only for a training model over 2 GB
+    keys = ([data_name] if training_model.uses_external_data() else []) + list(names)
+    with files.output_directory(directory, what="artifact directory"), \
+            files.atomic_write(*(directory / names.get(k, k) for k in keys), what="artifacts") as temps:
+        tmp = dict(zip(keys, temps))
+        training_model.write(tmp["training_model.onnx"], tmp.get(data_name), data_name)
+        onnx.save(inference_form(proto), tmp["eval_model.onnx"])
+        onnx.save(optimizer_model, tmp["optimizer_model.onnx"])
+        with open(tmp["checkpoint.npz"], "wb") as f:  # (a path would get ".npz" appended)
+            np.savez(f, **state)
+    return {key: str(directory / name) for key, name in names.items()}
+
+
+def _check_artifact_paths(artifact_directory, names: dict[str, str]):
+    """The artifact directory as a Path, once it is known the artifacts can be written there
+    (before anything is built)."""
+    directory = files.check_output_directory(artifact_directory, what="artifact directory")
+    if directory.is_dir():
+        for name in names.values():
+            files.check_output_path(directory / name, what="artifact", probe=False)
+    return directory
+
+
+def _check_weights(proto: onnx.ModelProto, weights: Sequence[str], buffers: Sequence[str]) -> None:
+    """Every weight of the artifacts is an initializer: its value starts the checkpoint."""
+    inits = {t.name for t in proto.graph.initializer}
+    inputs = {i.name for i in proto.graph.input}
+    values = inits | inputs | {o for n in proto.graph.node for o in n.output}
+    for w in weights:
+        if w in buffers:
+            raise InvalidArgumentError(f"requires_grad: '{w}' is a BatchNormalization running statistic, which the "
+                                       "training model updates as a buffer; it is not trained: leave it out")
+        if w in inits:
+            continue
+        if w in inputs:
+            raise InvalidArgumentError(
+                f"requires_grad: '{w}' is a graph input without an initializer; generate_artifacts writes each "
+                "weight's initial value into checkpoint.npz, so give it one as an initializer, or leave it out")
+        if w in values:
+            raise InvalidArgumentError(f"requires_grad: '{w}' is computed by a node of the model; weights must be "
+                                       "initializers")
+        raise InvalidArgumentError(f"requires_grad: the model has no initializer named '{w}' (its initializers: "
+                                   f"{sorted(inits)[:8]}{' ...' if len(inits) > 8 else ''})")

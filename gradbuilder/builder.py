@@ -5,13 +5,12 @@ from __future__ import annotations
 import gc
 import os
 import time
-import warnings
 from typing import Iterable
 
 import onnx
 import onnx_ir as ir
 
-from . import modelio
+from . import compat, modelio
 from .autodiff import differentiate
 from .errors import InvalidArgumentError, InvalidModelError, OutputError
 from .passes.canonicalize import indexed_max_as_gather, sequence_appends_as_scan_outputs, split_to_sequence_as_split
@@ -33,7 +32,9 @@ class GradientGraphBuilder:
     >>> b = GradientGraphBuilder(model, weights=["W", "B"], outputs=["loss"], loss="loss").build()
     >>> b.save("model_with_grads.onnx")
 
-    ``model`` is bytes, a path or an ``onnx.ModelProto`` (never modified). The written graph
+    ``model`` is bytes, a path, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph`` (never
+    modified); tensors in external data files are read from ``base_dir`` (default: the folder
+    of the model's path). The written graph
     has the requested ``outputs`` first, then one output ``<weight>_grad`` per weight, same
     shape and dtype as the weight (``gradient_suffix`` changes ``_grad``, e.g. to
     differentiate a gradient graph again). Trainable initializers also become graph inputs, the
@@ -54,6 +55,7 @@ class GradientGraphBuilder:
         recompute=None,
         memory_efficient_gradient: bool = False,
         running_statistics: bool = False,
+        base_dir: str | os.PathLike | None = None,
     ):
         if weights is None or loss is None:
             raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
@@ -64,6 +66,7 @@ class GradientGraphBuilder:
         if not isinstance(loss, str):
             raise InvalidArgumentError(f"loss is the name of one value, got {loss!r}: {KEYWORD_FORM}")
         self._source = model
+        self.base_dir = base_dir
         self.weights = list(weights)
         self.outputs = list(outputs) if outputs is not None else [loss]
         self.loss = loss
@@ -82,6 +85,10 @@ class GradientGraphBuilder:
         self.timings: dict[str, float] = {}
         self._result: modelio.DetachedModel | None = None
 
+    # Whether build() warns about the model (an inference-optimized export, a version onnxruntime
+    # cannot run); graphs built inside a session that already said so do not repeat it.
+    _warn_about_model = True
+
     # ----------------------------------------------------------------------------- build
     def build(self) -> "GradientGraphBuilder":
         # The IR makes millions of small objects and frees them all at the end; the cyclic
@@ -96,8 +103,15 @@ class GradientGraphBuilder:
 
     def _build(self) -> "GradientGraphBuilder":
         t0 = time.perf_counter()
-        proto, weights_bytes = modelio.load_detached(self._source)
+        proto, weights_bytes = modelio.load_detached(self._source, self.base_dir)
+        quiet = not self._warn_about_model
+        if not quiet:
+            from .torch_exports import warn_inference_export
+
+            warn_inference_export(proto)
+        compat.check_opset(proto, quiet=quiet)
         proto = modelio.normalize(proto)
+        compat.fit_ir_version(proto, quiet=quiet)
         if expand_functions(proto, self.weights + self.stop_gradients, modelio.default_opset(proto)):
             modelio.infer_types(proto)
         model = modelio.to_ir(proto)
@@ -143,11 +157,7 @@ class GradientGraphBuilder:
                                eager_sums=self.memory_efficient_gradient)
         if result.unreached:
             self.unreached_weights = result.unreached
-            warnings.warn(
-                "these weights do not reach the loss and get a zero gradient: "
-                + ", ".join(result.unreached),
-                stacklevel=3,
-            )
+            compat.warn("these weights do not reach the loss and get a zero gradient: " + ", ".join(result.unreached))
         grad_outputs = _name_gradients(graph, e, weights, result.grads, self.gradient_suffix)
         for w in weights:
             if w.is_initializer() and not w.is_graph_input():
@@ -162,7 +172,8 @@ class GradientGraphBuilder:
         if self.recompute is not None:
             from .passes.recompute import apply_recompute
 
-            self.recompute_report = apply_recompute(graph, forward, self.recompute, e.unique)
+            with compat.warnings_at_caller():
+                self.recompute_report = apply_recompute(graph, forward, self.recompute, e.unique)
         remove_unused_nodes(model)
 
     def _expose_buffers(self, model: ir.Model, e: Emitter, opset: int, weights) -> list[tuple[ir.Value, ir.Value]]:
@@ -268,6 +279,17 @@ class GradientGraphBuilder:
         """The built model, serialized."""
         return self._built().to_bytes()
 
+    def get_graph(self):
+        """The built model as an ``onnx_graphsurgeon.Graph`` (``gs.import_onnx``), for editing
+        with onnx-graphsurgeon (``pip install gradbuilder[graphsurgeon]``)."""
+        try:
+            import onnx_graphsurgeon as gs
+        except ImportError as exc:
+            raise compat.MissingDependencyError(
+                "get_graph() needs onnx-graphsurgeon, which is not installed: pip install "
+                "'gradbuilder[graphsurgeon]' (or pip install onnx-graphsurgeon)") from exc
+        return gs.import_onnx(self.model_proto)
+
     def save(self, path: str | os.PathLike, external_data: bool | None = None) -> str:
         """Write the built model atomically; tensors go to ``<path>.data`` over 2 GB."""
         self._built().save(path, external_data)
@@ -354,8 +376,8 @@ def _name_gradients(graph: ir.Graph, e: Emitter, weights, grads, suffix: str = "
     return outputs
 
 
-def float_initializers(model) -> list[str]:
+def float_initializers(model, base_dir=None) -> list[str]:
     """Names of the float initializers of ``model`` (the default set of weights)."""
-    proto = modelio.load_proto(model)
+    proto = modelio.load_proto(model, base_dir)
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
     return [t.name for t in proto.graph.initializer if t.data_type in floats]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -11,19 +10,26 @@ import onnx.inliner
 import onnx.version_converter
 import onnx_ir as ir
 
+from . import files
 from .errors import InvalidModelError, ModelLoadError, OutputError
 
 MIN_OPSET = 13
 TWO_GB = 2**31
 
 
-def load_proto(model) -> onnx.ModelProto:
-    """A private copy of ``model`` as a ModelProto; the caller's object is never touched."""
+def load_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelProto:
+    """A private copy of ``model`` as a ModelProto; the caller's object is never touched.
+
+    ``model`` is bytes, a path, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``.
+    Tensors kept in external data files are read from ``base_dir`` (default: the folder of
+    the model's path; bytes and protos have none, so they need it).
+    """
+    model = _from_graphsurgeon(model)
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
-        return proto
-    if isinstance(model, (bytes, bytearray, memoryview)):
+        origin = "the model (a ModelProto)"
+    elif isinstance(model, (bytes, bytearray, memoryview)):
         proto = onnx.ModelProto()
         try:
             proto.ParseFromString(bytes(model))
@@ -31,18 +37,68 @@ def load_proto(model) -> onnx.ModelProto:
             raise ModelLoadError(f"the bytes given are not a serialized ONNX ModelProto: {exc}") from exc
         if not proto.graph.node and not proto.graph.input and not proto.opset_import:
             raise ModelLoadError("the bytes given parse to an empty ONNX model (no graph, no opset)")
-        return proto
-    if isinstance(model, (str, os.PathLike)):
+        origin = "the model (bytes)"
+    elif isinstance(model, (str, os.PathLike)):
         path = Path(model)
-        if not path.is_file():
-            raise ModelLoadError(f"model file not found: '{path}'")
+        files.check_input_file(path, ModelLoadError, "model file")  # not found, or a directory
         try:
-            return onnx.load(str(path))
+            proto = onnx.load(str(path), load_external_data=base_dir is None)
         except Exception as exc:
             raise ModelLoadError(f"could not read ONNX model '{path}': {exc}") from exc
-    raise ModelLoadError(
-        f"model must be bytes, a path or an onnx.ModelProto, not {type(model).__name__}"
-    )
+        origin = f"model '{path}'"
+    else:
+        raise ModelLoadError(
+            f"model must be bytes, a path or an onnx.ModelProto (or an onnx_graphsurgeon.Graph), not {type(model).__name__}"
+        )
+    if proto.ir_version > onnx.IR_VERSION:
+        raise ModelLoadError(
+            f"{origin} has ONNX IR version {proto.ir_version}; the installed onnx {onnx.__version__} reads IR versions "
+            f"up to {onnx.IR_VERSION}: it was written by a newer ONNX (or is damaged). Upgrade onnx, or save the "
+            "model again with an ONNX release that reads it"
+        )
+    _load_external_data(proto, base_dir, origin)
+    return proto
+
+
+def _from_graphsurgeon(model):
+    """An ``onnx_graphsurgeon.Graph`` as a ModelProto (``gs.export_onnx``); anything else as is."""
+    if not type(model).__module__.startswith("onnx_graphsurgeon"):
+        return model
+    import onnx_graphsurgeon as gs
+
+    if not isinstance(model, gs.Graph):
+        raise ModelLoadError(f"model must be an onnx_graphsurgeon.Graph, not {type(model).__name__}")
+    try:
+        return gs.export_onnx(model)
+    except Exception as exc:
+        raise ModelLoadError(f"onnx_graphsurgeon could not export the graph '{model.name}': {exc}") from exc
+
+
+def _load_external_data(proto: onnx.ModelProto, base_dir, origin: str) -> None:
+    """Read the tensors ``proto`` keeps in external data files from ``base_dir``, or say that
+    nothing locates them."""
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    external = [t for t in _get_all_tensors(proto) if uses_external_data(t)]
+    if not external:
+        return
+    location = ExternalDataInfo(external[0]).location
+    more = f" and {len(external) - 1} more" if len(external) > 1 else ""
+    if base_dir is None:
+        raise ModelLoadError(
+            f"{origin} keeps tensor '{external[0].name}'{more} in the external data file "
+            f"'{location}', which nothing locates for bytes or a ModelProto; pass base_dir= the folder holding "
+            f"'{location}', or pass the model's path"
+        )
+    if not Path(base_dir).is_dir():
+        raise ModelLoadError(f"base_dir '{base_dir}' is not a folder (it should hold '{location}')")
+    try:
+        onnx.load_external_data_for_model(proto, str(base_dir))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"could not read the external data of {origin} ('{location}', tensor '{external[0].name}') from "
+            f"base_dir '{base_dir}': {exc}"
+        ) from exc
 
 
 def default_opset(proto: onnx.ModelProto) -> int:
@@ -288,7 +344,7 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
 DETACH_BYTES = 1024
 
 
-def load_detached(model) -> tuple[onnx.ModelProto, dict[str, bytes]]:
+def load_detached(model, base_dir=None) -> tuple[onnx.ModelProto, dict[str, bytes]]:
     """The model as a weight-free skeleton proto, and the raw bytes of its large initializers.
 
     The whole pipeline (inference, IR, backward graph, output proto, checker) runs on the
@@ -296,7 +352,7 @@ def load_detached(model) -> tuple[onnx.ModelProto, dict[str, bytes]]:
     bytes back into the output. So no copy of the weights is made along the way, and the
     skeleton is re-parsed so the memory the full proto held is returned at once.
     """
-    proto = load_proto(model)
+    proto = load_proto(model, base_dir)
     stash = {}
     for t in proto.graph.initializer:
         if len(t.raw_data) >= DETACH_BYTES:
@@ -379,48 +435,50 @@ class DetachedModel:
         except Exception as exc:
             raise OutputError(f"the generated model failed onnx.checker: {exc}") from exc
 
+    def uses_external_data(self, external_data: bool | None = None) -> bool:
+        """Whether ``save`` keeps the large tensors in a ``.data`` file: asked for, or over 2 GB."""
+        use = external_data if external_data is not None else self.byte_size() >= TWO_GB - 2**24
+        return bool(use and self.weights)
+
+    def write(self, model_file, data_file=None, data_name: str | None = None) -> None:
+        """Write the model into ``model_file`` and, given ``data_file``, its large tensors
+        into that as onnx's external data, recorded as ``data_name`` (the data file's final
+        name beside the model). Not atomic by itself: ``save`` writes temporary files with it."""
+        if data_file is None:
+            with open(model_file, "wb") as f:
+                for chunk in self._chunks():
+                    f.write(chunk)
+            return
+        head, big = self._split()
+        with open(data_file, "wb") as data:
+            for meta in big:
+                offset = data.tell()
+                data.write(self.weights[meta.name])
+                meta.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", data_name), ("offset", str(offset)),
+                                   ("length", str(len(self.weights[meta.name])))):
+                    entry = meta.external_data.add()
+                    entry.key, entry.value = key, value
+        head.graph.initializer.extend(big)
+        with open(model_file, "wb") as f:
+            f.write(head.SerializeToString())
+
     def save(self, path: str | os.PathLike, external_data: bool | None = None) -> None:
-        """Write to ``path`` atomically: nothing appears there unless the whole write succeeds.
+        """Write to ``path`` atomically (``files.atomic_write``): nothing appears there unless
+        the whole write succeeds, and no temporary file stays behind.
 
         Models over 2 GB (or with ``external_data=True``) keep their large tensors in
-        ``<name>.data`` beside the model, as onnx's external data.
+        ``<name>.data`` beside the model, as onnx's external data. A path that cannot be
+        written raises OutputError naming it before anything is serialized.
         """
-        path = Path(path)
-        directory = path.parent if str(path.parent) else Path(".")
-        if not directory.is_dir():
-            raise OutputError(f"output directory does not exist: '{directory}'")
-        use_external = external_data if external_data is not None else self.byte_size() >= TWO_GB - 2**24
-        tmpdir = tempfile.mkdtemp(prefix=".gradbuilder-", dir=directory)
-        try:
-            tmp_model = Path(tmpdir) / path.name
-            data_name = path.name + ".data"
-            if use_external:
-                head, big = self._split()
-                with open(Path(tmpdir) / data_name, "wb") as data:
-                    for meta in big:
-                        offset = data.tell()
-                        data.write(self.weights[meta.name])
-                        meta.data_location = onnx.TensorProto.EXTERNAL
-                        for key, value in (("location", data_name), ("offset", str(offset)),
-                                           ("length", str(len(self.weights[meta.name])))):
-                            entry = meta.external_data.add()
-                            entry.key, entry.value = key, value
-                head.graph.initializer.extend(big)
-                with open(tmp_model, "wb") as f:
-                    f.write(head.SerializeToString())
-                if big:
-                    os.replace(Path(tmpdir) / data_name, directory / data_name)
-            else:
-                with open(tmp_model, "wb") as f:
-                    for chunk in self._chunks():
-                        f.write(chunk)
-            os.replace(tmp_model, path)
-        except OSError as exc:
-            raise OutputError(f"could not write '{path}': {exc}") from exc
-        finally:
-            for leftover in Path(tmpdir).glob("*"):
-                leftover.unlink()
-            os.rmdir(tmpdir)
+        path = files.check_output_path(path, OutputError, "output model")
+        if not self.uses_external_data(external_data):
+            with files.atomic_write(path, what="output model") as (tmp,):
+                self.write(tmp)
+            return
+        data_path = path.with_name(path.name + ".data")
+        with files.atomic_write(data_path, path, what="output model") as (tmp_data, tmp_model):
+            self.write(tmp_model, tmp_data, data_path.name)
 
 
 def _copy(t: onnx.TensorProto) -> onnx.TensorProto:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from typing import Iterable, Mapping, Sequence
 
 import ml_dtypes
@@ -36,7 +35,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from . import checkpoint, modelio, providers as _providers, schedulers
+from . import checkpoint, compat, files, modelio, providers as _providers, schedulers
 from .builder import GradientGraphBuilder
 from .errors import CheckpointError, InvalidArgumentError, NonFiniteError, ProviderError
 from .passes import guarded, named_output, new_input
@@ -61,6 +60,8 @@ class _Gradients(GradientGraphBuilder):
     """Forward + backward; gradient of ``W`` as output ``W.grad_accum.updated``: the gradient
     itself, or with ``accumulate`` the input buffer ``W.grad_accum`` plus the gradient. Running
     statistics come out as ``B.updated``, kept only when the loss and gradients are finite."""
+
+    _warn_about_model = False  # the session said it at construction
 
     def __init__(self, model, weights, outputs, loss, accumulate: bool, **options):
         super().__init__(model, weights, outputs, loss, running_statistics=True, **options)
@@ -105,23 +106,28 @@ class TrainingSession:
     on onnxruntime. The model and ``parameters`` are never modified."""
 
     def __init__(self, path_or_bytes, parameters, sess_options: ort.SessionOptions | None = None,
-                 providers: Sequence | None = None, provider_options: Sequence[dict] | None = None):
+                 providers: Sequence | None = None, provider_options: Sequence[dict] | None = None,
+                 base_dir: str | os.PathLike | None = None):
         from .params import TrainingParameters
+        from .torch_exports import warn_inference_export
 
         if not isinstance(parameters, TrainingParameters):
             raise InvalidArgumentError(f"parameters must be a gradbuilder.TrainingParameters, got "
                                        f"{type(parameters).__name__}")
         self._params = TrainingParameters.from_dict(parameters.to_dict())
-        self._model = onnx.ModelProto()
-        self._model.CopyFrom(modelio.load_proto(path_or_bytes))
+        self._model = modelio.load_proto(path_or_bytes, base_dir)  # external data read (base_dir)
+        compat.check_for_runtime(self._model, strict=True)  # the graphs must load in onnxruntime
+        warn_inference_export(self._model)
         self._builder = from_parameters(self._model, self._params, outputs=self._output_names())
+        self._builder._warn_about_model = False  # said above
         self.weights = list(self._builder.weights)
         self.loss_name = self._builder.loss
         self._options = self._builder.optimizer_options
         self._optimizer = self._builder.optimizer
         self._sess_options = sess_options or _default_session_options()
-        self._providers, self._provider_options = _providers.resolve_providers(providers, provider_options)
+        self._providers, self._provider_options = _resolve_providers(providers, provider_options)
         self._device = _providers.device_of(self._providers, self._provider_options)
+        self._check_precision(self._device)
         self._fallback = True
         self._built: dict[str, bytes] = {}  # kind -> serialized graph (independent of providers)
         self._graphs: dict[str, _Graph] = {}  # kind -> its loaded session
@@ -151,6 +157,14 @@ class TrainingSession:
         _weights_as_inputs(self._model, self.weights + self.buffers)  # their values live in the state only
 
     # ------------------------------------------------------------------ graphs and values
+    def _check_precision(self, device) -> None:
+        """bfloat16 mixed precision runs only where onnxruntime has bfloat16 kernels (CUDA)."""
+        if self._builder.mixed_precision == "bfloat16" and device[0] == "cpu":
+            raise InvalidArgumentError(
+                "TrainingParameters.mixed_precision_dtype='bfloat16' needs CUDAExecutionProvider: onnxruntime has no "
+                "bfloat16 Gemm/MatMul/Conv on CPU, and this session runs on CPUExecutionProvider. Use "
+                "mixed_precision_dtype='float16' on CPU, or providers=['CUDAExecutionProvider'] on a GPU")
+
     def _check_names(self) -> None:
         """The loss is a value of the model; class-index inputs of the model's losses are
         recorded, so that a label out of range is refused before a run (``_check_labels``)."""
@@ -262,14 +276,26 @@ class TrainingSession:
         except _OrtErrors.InvalidArgument as exc:
             raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
         except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError) as exc:
+            fixed = self._fixed_size_failure(kind, exc, bound, state)
+            if fixed:
+                raise InvalidArgumentError(fixed) from exc
             if not self._fallback or self._device[0] == "cpu":
                 raise ProviderError(f"onnxruntime failed running the {kind} graph on {self._providers[0]}: "
                                     f"{exc}") from exc
-            warnings.warn(f"{self._providers[0]} failed ({exc}); falling back to CPUExecutionProvider",
-                          RuntimeWarning, stacklevel=3)
+            compat.warn(f"{self._providers[0]} failed ({exc}); falling back to CPUExecutionProvider", RuntimeWarning)
             self.set_providers(["CPUExecutionProvider"])
             bound = {n: self._ortvalue(_numpy(v)) for n, v in bound.items()}
             return self._bind_and_run(self._graph(kind), bound, outputs, run_options)
+
+    def _fixed_size_failure(self, kind: str, exc: Exception, bound, state) -> str | None:
+        """A run failed in a node whose target shape holds a size the export fixed: say which."""
+        from .torch_exports import fixed_size_failure
+
+        graphs = [self._model.graph]
+        if kind in self._built:
+            graphs.append(onnx.ModelProto.FromString(self._built[kind]).graph)
+        shapes = {n: v.shape() for n, v in bound.items() if n not in state}
+        return fixed_size_failure(str(exc), graphs, shapes)
 
     def _bind_and_run(self, graph: _Graph, bound, outputs, run_options) -> dict[str, ort.OrtValue]:
         binding = graph.session.io_binding()
@@ -385,8 +411,7 @@ class TrainingSession:
         if self._on_nonfinite == "raise":
             raise NonFiniteError(message)
         self.skipped_steps += 1
-        warnings.warn(f"{message}; {self.skipped_steps} skipped so far (TrainingSession.skipped_steps)",
-                      RuntimeWarning, stacklevel=4)
+        compat.warn(f"{message}; {self.skipped_steps} skipped so far (TrainingSession.skipped_steps)", RuntimeWarning)
 
     def _take_updates(self, results: Mapping[str, ort.OrtValue]) -> None:
         for name, value in results.items():
@@ -637,6 +662,7 @@ class TrainingSession:
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write weights, optimizer state, step, learning rate and scheduler state to ``path``
         (safetensors, written atomically; see ``gradbuilder.checkpoint``)."""
+        path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is copied out
         tensors = {n: _array(v) for n, v in self._state.items()}
         tensors.update({f"{w}.grad": _array(v) for w, v in self._grads.items()})
         metadata = {
@@ -713,8 +739,9 @@ class TrainingSession:
     def set_providers(self, providers: Sequence | None = None, provider_options: Sequence[dict] | None = None) -> None:
         """Run on other providers: the graphs are loaded again; weights and optimizer state
         move to the new device and are kept."""
-        names, options = _providers.resolve_providers(providers, provider_options)
+        names, options = _resolve_providers(providers, provider_options)
         device = _providers.device_of(names, options)
+        self._check_precision(device)
         self._providers, self._provider_options, self._graphs = names, options, {}
         if device != self._device:
             self._device = device
@@ -813,7 +840,9 @@ _ORT_OF_NP = {np.float32: "float", np.float64: "double", np.float16: "float16", 
 
 def _weights_as_inputs(proto: onnx.ModelProto, weights: Sequence[str]) -> None:
     """Make every weight of ``proto`` (in place) a graph input without an initializer: the
-    session feeds them, and neither the model nor onnxruntime keeps a copy."""
+    session feeds them, and neither the model nor onnxruntime keeps a copy. The other
+    initializers (frozen parameters, constants) are constants only, never graph inputs: the
+    session does not feed them, and onnxruntime would warn about each one that is both."""
     names = set(weights)
     have = {i.name for i in proto.graph.input}
     kept = []
@@ -824,11 +853,24 @@ def _weights_as_inputs(proto: onnx.ModelProto, weights: Sequence[str]) -> None:
             proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
+    constants = {t.name for t in kept}
+    inputs = [i for i in proto.graph.input if i.name not in constants]
+    if len(inputs) != len(proto.graph.input):
+        del proto.graph.input[:]
+        proto.graph.input.extend(inputs)
+        proto.ir_version = max(proto.ir_version, 4)  # IR 3 required initializers to be inputs
+
+
+def _resolve_providers(providers, provider_options):
+    """``providers.resolve_providers``, its warnings (a provider not usable here) pointing at
+    the user's call."""
+    with compat.warnings_at_caller():
+        return _providers.resolve_providers(providers, provider_options)
 
 
 def _default_session_options() -> ort.SessionOptions:
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 2  # onnxruntime's warnings reach the user; the graphs give it none of its own
     return so
 
 

@@ -69,10 +69,12 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         fp16_moments: bool = False,
         recompute=None,
         memory_efficient_gradient: bool = False,
+        base_dir=None,
     ):
         super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients, mixed_precision=mixed_precision,
                          cast_propagation=cast_propagation, recompute=recompute,
-                         memory_efficient_gradient=memory_efficient_gradient, running_statistics=True)
+                         memory_efficient_gradient=memory_efficient_gradient, running_statistics=True,
+                         base_dir=base_dir)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InvalidArgumentError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -98,9 +100,14 @@ class TrainingGraphBuilder(GradientGraphBuilder):
 
     def build(self) -> "TrainingGraphBuilder":
         super().build()
+        skeleton = self._result.skeleton
+        skeleton.doc_string = TRAINING_GRAPH_DOC + (f"\n\n{skeleton.doc_string}" if skeleton.doc_string else "")
+        skeleton.graph.doc_string = TRAINING_GRAPH_DOC
         if self.dump_paths.get("gradient"):
-            GradientGraphBuilder(self._source, self.weights, [self.loss], self.loss,
-                                 stop_gradients=self.stop_gradients).build().save(self.dump_paths["gradient"])
+            gradients = GradientGraphBuilder(self._source, self.weights, [self.loss], self.loss,
+                                             stop_gradients=self.stop_gradients, base_dir=self.base_dir)
+            gradients._warn_about_model = False
+            gradients.build().save(self.dump_paths["gradient"])
         for key in ("training", "transformed"):  # no transform runs after the optimizer yet
             if self.dump_paths.get(key):
                 self.save(self.dump_paths[key])
@@ -155,10 +162,14 @@ class TrainingGraphBuilder(GradientGraphBuilder):
     def _gradients_as_outputs(self) -> bool:
         return self.gradients_as_outputs
 
+    def state_interface(self) -> list[tuple[str, str]]:
+        """(state input, its ``.updated`` output) pairs of the built graph: see :func:`state_interface`."""
+        return state_interface(self._built().skeleton)
+
     def initial_state(self) -> dict[str, np.ndarray]:
         """Feeds for the first step: every optimizer state (zeros, or Adagrad's initial
         accumulator) and ``Step`` = 0; the learning rate is the caller's."""
-        proto = modelio.load_proto(self._source)
+        proto = modelio.load_proto(self._source, self.base_dir)
         values = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in self.weights}
         feeds: dict[str, np.ndarray] = {self.step_name: np.array(0, np.int64)}
         missing = [w for w in self.weights if w not in values]
@@ -178,13 +189,60 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         return feeds
 
 
+TRAINING_GRAPH_DOC = (
+    "Training graph written by gradbuilder: one run is one training step (forward, backward, optimizer). "
+    "State inputs: each trained weight W (its initializer is only a default value, so onnxruntime's "
+    "get_inputs() does not list it: feed it anyway), optimizer states W.<state>, Step (int64 scalar, updates "
+    "done), BatchNormalization running statistics B, and with accumulation W.grad_accum and Accumulation_Step, "
+    "with dynamic loss scaling Loss_Scale. Each state input X has the output X.updated: feed it as X to the "
+    "next run, or nothing is trained. Learning_Rate: float scalar input. All_Finite: bool output, false when "
+    "the loss or a gradient was not finite (the run then changed nothing). "
+    "gradbuilder.state_interface(model) lists the (input, output) pairs."
+)
+
+
+def state_interface(model) -> list[tuple[str, str]]:
+    """The state of a training graph (a path, bytes, ModelProto or onnx_graphsurgeon Graph
+    written by TrainingGraphBuilder) as (input name, updated output name) pairs, in input
+    order: each weight ``W`` with ``W.updated``, its optimizer states, ``Step``, running
+    statistics ``B`` with ``B.updated``, accumulation buffers, the loss scale. A loop feeds
+    each input (the weights' initial values are the model's initializers) and passes each
+    output on as the next run's input; onnxruntime's ``get_inputs()`` leaves out the weights
+    and running statistics, since their initializers give them defaults."""
+    import os
+
+    if isinstance(model, (str, os.PathLike)):
+        proto = _names_only(model)
+    elif isinstance(model, (bytes, bytearray, memoryview)):
+        proto = onnx.ModelProto.FromString(bytes(model))  # names only: external data stays unread
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        proto = modelio.load_proto(model)
+    outputs = {o.name for o in proto.graph.output}
+    pairs = [(i.name, f"{i.name}.updated") for i in proto.graph.input if f"{i.name}.updated" in outputs]
+    if not pairs:
+        raise InvalidArgumentError("state_interface: the model has no input X with an output X.updated; "
+                                   "pass a training graph written by TrainingGraphBuilder or TrainingSession")
+    return pairs
+
+
+def _names_only(path) -> onnx.ModelProto:
+    from .errors import ModelLoadError
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise ModelLoadError(f"could not read ONNX model '{path}': {exc}") from exc
+
+
 # onnxruntime-training's optimizer attribute keys -> our option names
 _ORT_KEYS = {"lambda": "weight_decay", "epsilon": "eps", "do_bias_correction": "bias_correction"}
 _IGNORED = {"weight_decay_mode"}
 _ORT_NAMES = ("SGDOptimizer", "AdamOptimizer", "LambOptimizer")  # both of onnxruntime's modes decouple the decay (see params.py)
 
 
-def from_parameters(model, params, outputs: Iterable[str] | None = None) -> TrainingGraphBuilder:
+def from_parameters(model, params, outputs: Iterable[str] | None = None, base_dir=None) -> TrainingGraphBuilder:
     """A TrainingGraphBuilder configured by a ``TrainingParameters``: weights_to_train (default:
     every float initializer) less weights_not_to_train, loss_output_name, the optimizer and its
     attributes (onnxruntime's keys alpha/beta/lambda/epsilon/do_bias_correction/max_norm_clip

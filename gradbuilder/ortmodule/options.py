@@ -36,7 +36,9 @@ class DebugOptions:
     that runs; ``execution_model_backward`` the backward graph). ``mode`` is ``training`` where
     a backward graph is built, else ``inference``; a later signature of the same mode adds
     ``_<k>`` (k = 2, 3, ...) to the names. ``log_level`` sets the level of the
-    ``gradbuilder.ortmodule`` logger and onnxruntime's session log severity."""
+    ``gradbuilder.ortmodule`` logger; onnxruntime's sessions log at WARNING (or ERROR, FATAL
+    when asked for), below it only with ``LogLevel.VERBOSE``: onnxruntime's INFO lines are
+    its graph transformers' trace."""
 
     save_onnx: bool = False
     log_level: LogLevel = LogLevel.WARNING

@@ -56,7 +56,9 @@ class Compiled:
                  saved_files: collections.Counter | None = None):
         self.exported = exported
         providers, options, self.ort_device = _providers_for(device)
-        so = _providers.options_with(session_options, log_severity_level=int(debug.log_level))
+        # onnxruntime's INFO is its graph transformers' trace: only VERBOSE goes below WARNING
+        severity = 0 if debug.log_level == 0 else max(2, int(debug.log_level))
+        so = _providers.options_with(session_options, log_severity_level=severity)
         try:
             so.get_session_config_entry(_SPINNING)
         except Exception:  # not set by the user
