@@ -42,40 +42,25 @@ def exit_status(exc: BaseException) -> int:
 
 
 def _check_input_file(option: str, path: str) -> None:
-    p = Path(path)
-    if p.is_dir():
-        raise InvalidArgumentError(f"{option} {path}: is a directory, not a file")
-    if not p.exists():
-        raise InvalidArgumentError(f"{option} {path}: no such file")
-    if not os.access(p, os.R_OK):
-        raise InvalidArgumentError(f"{option} {path}: cannot be read (permission denied)")
+    from .files import check_input_file
+
+    check_input_file(path, InvalidArgumentError, option)
 
 
 def _check_output_file(option: str, path: str | None) -> None:
-    """``path`` can be written: its directory exists, and it is not itself a directory."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise InvalidArgumentError(f"{option} {path}: is a directory; give the path of a file")
-    parent = p.parent
-    if not parent.exists():
-        raise InvalidArgumentError(f"{option} {path}: the directory {parent} does not exist")
-    if not parent.is_dir():
-        raise InvalidArgumentError(f"{option} {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(f"{option} {path}: cannot write into {parent} (permission denied)")
+    """``path`` can be written: its directory exists and accepts files, and it is not itself a
+    directory (gradbuilder.files says why not in one line)."""
+    from .files import check_output_path
+
+    if path is not None:
+        check_output_path(path, InvalidArgumentError, option)
 
 
 def _check_output_directory(option: str, path: str) -> None:
-    """``path`` is a directory, or can be made one: no part of it is a file."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if p.exists() and not p.is_dir():
-        raise InvalidArgumentError(f"{option} {path}: {p} is a file, not a directory")
-    if p.exists() and not os.access(p, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(f"{option} {path}: cannot write into {p} (permission denied)")
+    """``path`` is a directory that accepts files, or can be made one."""
+    from .files import check_output_directory
+
+    check_output_directory(path, InvalidArgumentError, option)
 
 
 def _check_distinct(**paths: str | None) -> None:
