@@ -84,6 +84,17 @@ def _output_values(graph: ir.Graph, values: list[ir.Value]) -> list[ir.Value]:
     return outs
 
 
+def _plain_optimizer(name) -> str:
+    """``name`` as TrainingParameters reads it (case-insensitive; onnxruntime-training's
+    SGDOptimizer, AdamOptimizer and LambOptimizer too) as our plain optimizer name."""
+    from .params import TrainingParameters
+
+    plain = TrainingParameters(training_optimizer_name=name).optimizer_name()
+    if plain is None:
+        raise InvalidArgumentError("optimizer is empty; name one, e.g. 'adamw' or 'AdamOptimizer'")
+    return plain
+
+
 def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen_params: Sequence[str] = (),
                        loss: str | None = None, optimizer: str = "adamw", artifact_directory: str | os.PathLike = ".",
                        prefix: str = "", *, loss_output: str | None = None, target_name: str = "target",
@@ -113,6 +124,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
 
     from .torch_exports import warn_inference_export
 
+    optimizer = _plain_optimizer(optimizer)
     names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
                                           "checkpoint.npz")}
     directory = _check_artifact_paths(artifact_directory, names)

@@ -6,10 +6,10 @@ import pytest
 from onnx import helper
 
 from gradbuilder import InvalidArgumentError
-from gradbuilder.artifacts import export_model_for_inferencing
+from gradbuilder.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.testing import run_onnxruntime
 
-from .helpers import make_model, tensor, vi
+from .helpers import linear_model, make_model, tensor, vi
 
 
 def two_head_model():
@@ -96,3 +96,16 @@ def test_artifacts_command(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint.npz"])
     assert main(["artifacts", str(model_path), "--loss", "nope", "-o", str(tmp_path / "bad")]) == 2
+
+
+@pytest.mark.parametrize("name, plain", [("AdamW", "adamw"), ("SGD", "sgd"), ("AdamOptimizer", "adam"),
+                                         ("lamboptimizer", "lamb")])
+def test_optimizer_names_are_read_as_training_parameters_reads_them(tmp_path, name, plain):
+    from gradbuilder.passes.optimizer import state_names, resolve
+
+    written = generate_artifacts(linear_model(), optimizer=name, artifact_directory=tmp_path)
+    with np.load(written["checkpoint.npz"], allow_pickle=False) as ckpt:
+        states = {f.split(".", 1)[1] for f in ckpt.files if f.startswith("W.")}
+    assert states == set(state_names(plain, resolve(plain, {})))
+    with pytest.raises(InvalidArgumentError, match="unknown optimizer 'adamz'"):
+        generate_artifacts(linear_model(), optimizer="adamz", artifact_directory=tmp_path / "other")
