@@ -71,7 +71,7 @@ if TYPE_CHECKING:
         has_collective_ops,
         register_provider_lib,
     )
-    from .registry import Emitter, register_stop_gradient_edges
+    from .registry import Emitter
     from .registry import register as register_gradient
     from .session import TrainingIOBinding, TrainingSession
     from .training import TrainingGraphBuilder, state_interface

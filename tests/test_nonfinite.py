@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 
 from gradbuilder import NonFiniteError, TrainingParameters
 from gradbuilder.errors import InvalidArgumentError

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 
-import onnx
 import onnxruntime as ort
 import onnxruntime.capi._pybind_state as _C
 import torch
@@ -109,15 +108,13 @@ class Compiled:
         files = {"torch_exported": ex.torch_exported, "optimized_pre_grad": ex.model,
                  "optimized": self.split.gradient_graph if self.split is not None else ex.model,
                  "execution_model": forward, "execution_model_backward": backward}
+        from ..files import atomic_write
+
         for name, model in files.items():
             if model is None:
                 continue
-            path = debug.path(name, self.mode, count)
-            if isinstance(model, bytes):
-                with open(path, "wb") as f:
-                    f.write(model)
-            else:
-                onnx.save(model, path)
+            with atomic_write(debug.path(name, self.mode, count), what="debug model") as (tmp,):
+                tmp.write_bytes(model if isinstance(model, bytes) else model.SerializeToString())
 
     # ------------------------------------------------------------------ running
     def _run(self, session, feeds: dict[str, ort.OrtValue], outputs: list[str]) -> dict[str, ort.OrtValue]:
