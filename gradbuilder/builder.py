@@ -13,7 +13,7 @@ import onnx_ir as ir
 from . import compat, modelio
 from .autodiff import differentiate
 from .errors import InvalidArgumentError, InvalidModelError, OutputError
-from .passes.canonicalize import indexed_max_as_gather, sequence_appends_as_scan_outputs, split_to_sequence_as_split
+from .passes.canonicalize import fold_shape_computations, indexed_max_as_gather, sequence_appends_as_scan_outputs, split_to_sequence_as_split
 from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
 from .passes import named_output
@@ -141,6 +141,7 @@ class GradientGraphBuilder:
         e = Emitter(graph, opset)
         split_to_sequence_as_split(graph, opset, e.unique)
         sequence_appends_as_scan_outputs(graph, e.unique)
+        fold_shape_computations(model, e)
         indexed_max_as_gather(graph, opset, e.unique)
         restore_training_mode(graph, opset, e.unique)
         expose_dropout_masks(graph, e.unique)

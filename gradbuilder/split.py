@@ -27,7 +27,7 @@ from . import modelio
 from .autodiff import node_inputs, walk
 from .builder import _name_gradients, _values_by_name
 from .errors import InvalidArgumentError
-from .passes.canonicalize import indexed_max_as_gather, sequence_appends_as_scan_outputs, split_to_sequence_as_split
+from .passes.canonicalize import fold_shape_computations, indexed_max_as_gather, sequence_appends_as_scan_outputs, split_to_sequence_as_split
 from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
 from .passes.expose_masks import expose_dropout_masks
@@ -97,6 +97,7 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str], keep
     e = Emitter(graph, opset)
     split_to_sequence_as_split(graph, opset, e.unique)
     sequence_appends_as_scan_outputs(graph, e.unique)
+    fold_shape_computations(m, e)
     indexed_max_as_gather(graph, opset, e.unique)
     expose_dropout_masks(graph, e.unique)
     wrt_values = [inputs[n] for n in wrt]

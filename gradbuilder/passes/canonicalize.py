@@ -3,6 +3,13 @@
 Unoptimized torch exports split tensors with ``SplitToSequence`` and read the pieces back with
 ``SequenceAt(seq, constant index)``. When every use of the sequence is such a read, the pair is
 the same as one ``Split`` (plus ``Squeeze`` for ``keepdims=0``), whose gradient is a Concat.
+
+onnxscript's constant folder folds the exporters' shape subgraphs (``fold_shape_computations``).
+It also rewrites some SplitToSequence nodes, but not one without ``split`` (a piece per element,
+``keepdims``), and below opset 18 it writes a Split that onnx.checker refuses; so the rewrites
+here run first. List appends in a Loop body stacked after the loop are a rewrite across the body
+and the outer graph, which onnxscript's pattern rewriter (matching within one graph) does not
+express.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import attr, constant_of, dims_of
+from ..registry import _collect_names, attr, constant_of, dims_of
 from . import copy_type
 
 
@@ -278,3 +285,27 @@ def _as_gather(graph: ir.Graph, reduce: ir.Node, index_node: ir.Node, axis: int,
         out.name = unique(name + "_unused")
         result.name = name
     graph.remove(reduce, safe=True)
+
+
+def fold_shape_computations(model: ir.Model, e) -> None:
+    """Fold, with onnxscript's constant folder, the integer and bool computations whose inputs
+    are known: the exporters' shape subgraphs (Shape of a value of static shape, then Gather,
+    Concat, Unsqueeze, Mod, ... of constants), which onnx shape inference cannot see through,
+    so that the sizes and ranks they compute become constants. Nodes with a float output are
+    never touched, nor are their inputs rewired (the folder would otherwise read through an
+    Identity that is a stop-gradient point): the weights, and every gradient path, stay as
+    they are."""
+    from onnxscript.optimizer import constant_folding
+
+    class ShapeFolder(constant_folding.FoldConstantsPass):
+        def process_node(self, node, is_function):
+            if node.domain not in ("", "ai.onnx") or not all(_integer_like(o) for o in node.outputs):
+                return None
+            return super().process_node(node, is_function)
+
+    ShapeFolder(shape_inference=False, input_size_limit=1024, output_size_limit=1024)(model)
+    e._used.update(_collect_names(model.graph))  # the folder's new names are taken too
+
+
+def _integer_like(value: ir.Value) -> bool:
+    return value.dtype is not None and not value.dtype.is_floating_point()
