@@ -1,14 +1,5 @@
 """gradbuilder: gradient graphs for ONNX models in standard ONNX operators."""
 
-from pathlib import Path as _Path
-
-# The per-op rules live in the top-level folder rules/, which the wheel installs as
-# gradbuilder.rules. In a source checkout (tests run against it) that folder sits beside
-# this package, so it is added to the package's search path for gradbuilder.rules to resolve.
-_here = _Path(__file__).resolve().parent
-if not (_here / "rules").is_dir() and (_here.parent / "rules" / "__init__.py").is_file():
-    __path__.append(str(_here.parent))
-
 from importlib import import_module as _import_module
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING
@@ -21,21 +12,21 @@ except _metadata.PackageNotFoundError:  # a source tree that was never installed
 # The public names, imported on first use (PEP 562): `import gradbuilder` and the command
 # line's --help and --version do not load onnx, onnxruntime or numpy.
 _PUBLIC = {
-    "GradientGraphBuilder": ".builder",
-    "TrainingParameters": ".params",
-    "TrainingGraphBuilder": ".training",
-    "state_interface": ".training",
-    "TrainingSession": ".session",
-    "TrainingIOBinding": ".session",
-    "clear_training_ep_instances": ".providers",
-    "get_available_providers": ".providers",
-    "get_build_info": ".providers",
-    "get_version_string": ".providers",
-    "has_collective_ops": ".providers",
-    "register_provider_lib": ".providers",
-    "Emitter": ".registry",
-    "register_stop_gradient_edges": ".registry",
-    "register_gradient": (".registry", "register"),
+    "GradientGraphBuilder": ".compiler.builder",
+    "TrainingParameters": ".training.params",
+    "TrainingGraphBuilder": ".training.graph",
+    "state_interface": ".training.graph",
+    "TrainingSession": ".runtime.session",
+    "TrainingIOBinding": ".runtime.session",
+    "clear_training_ep_instances": ".runtime.providers",
+    "get_available_providers": ".runtime.providers",
+    "get_build_info": ".runtime.providers",
+    "get_version_string": ".runtime.providers",
+    "has_collective_ops": ".runtime.providers",
+    "register_provider_lib": ".runtime.providers",
+    "Emitter": ".compiler.registry",
+    "register_stop_gradient_edges": ".compiler.registry",
+    "register_gradient": (".compiler.registry", "register"),
     "CheckpointError": ".errors",
     "GradBuilderError": ".errors",
     "GradientRuleError": ".errors",
@@ -49,7 +40,7 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from .builder import GradientGraphBuilder
+    from .compiler.builder import GradientGraphBuilder
     from .errors import (
         CheckpointError,
         GradBuilderError,
@@ -62,8 +53,8 @@ if TYPE_CHECKING:
         ProviderError,
         UnsupportedOpError,
     )
-    from .params import TrainingParameters
-    from .providers import (
+    from .training.params import TrainingParameters
+    from .runtime.providers import (
         clear_training_ep_instances,
         get_available_providers,
         get_build_info,
@@ -71,10 +62,10 @@ if TYPE_CHECKING:
         has_collective_ops,
         register_provider_lib,
     )
-    from .registry import Emitter
-    from .registry import register as register_gradient
-    from .session import TrainingIOBinding, TrainingSession
-    from .training import TrainingGraphBuilder, state_interface
+    from .compiler.registry import Emitter
+    from .compiler.registry import register as register_gradient
+    from .runtime.session import TrainingIOBinding, TrainingSession
+    from .training.graph import TrainingGraphBuilder, state_interface
 
 
 def __getattr__(name: str):
@@ -95,14 +86,14 @@ def register_gradient_definition(domain: str, op_type: str, rule, since: int = 1
     """Register ``rule(node, dys, needs, e)`` as the gradient of ``op_type`` in ``domain``
     (function form of the ``register_gradient`` decorator; a later registration replaces
     an earlier one for the same opset)."""
-    from .registry import register
+    from .compiler.registry import register
 
     register(op_type, domain=domain, since=since)(rule)
 
 
 def register_custom_stop_gradient_edges(edges, op_type: str, domain: str = "") -> None:
     """No gradient flows through inputs ``edges`` (indices) of any ``op_type`` node."""
-    from .registry import register_stop_gradient_edges
+    from .compiler.registry import register_stop_gradient_edges
 
     register_stop_gradient_edges(edges, op_type, domain)
 

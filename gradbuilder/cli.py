@@ -149,7 +149,7 @@ def _listed(names, most: int = 12) -> str:
 def _cmd_build(args) -> int:
     _check_input_file("model", args.model)
     _check_output_file("-o", args.output)
-    from .builder import GradientGraphBuilder, float_initializers
+    from .compiler.builder import GradientGraphBuilder, float_initializers
 
     weights = args.weights or float_initializers(args.model)
     outputs = args.outputs or [args.loss]
@@ -167,11 +167,11 @@ def _cmd_artifacts(args) -> int:
     if args.loss is None and (args.loss_output or args.target):
         raise InvalidArgumentError(f"{'--loss-output' if args.loss_output else '--target'} needs --loss")
     if args.weights or args.frozen:
-        from . import modelio
-        from .builder import float_initializers
+        from .compiler import modelio
+        from .compiler.builder import float_initializers
 
         _check_weights(args, float_initializers(modelio.load_proto(args.model)))
-    from .artifacts import generate_artifacts
+    from .training.artifacts import generate_artifacts
 
     written = generate_artifacts(args.model, requires_grad=args.weights, frozen_params=args.frozen or (),
                                  loss=args.loss, optimizer=args.optimizer, artifact_directory=args.output,
@@ -190,7 +190,7 @@ def _check_weights(args, floats) -> None:
 
 
 def _cmd_ops(args) -> int:
-    from . import registry
+    from .compiler import registry
 
     rules = registry.all_rules()
     print(f"{len(rules)} gradient rules")
@@ -253,14 +253,15 @@ def _cmd_train(args) -> int:
     data = _load_arrays("--data", args.data, args.batch_size)
     evaluation = _load_arrays("--eval-data", args.eval_data, args.batch_size) if args.eval_data else data
 
-    from . import TrainingParameters, modelio
-    from .builder import float_initializers
-    from .loop import BATCHES_SEEN, accuracy, fit
+    from . import TrainingParameters
+    from .compiler import modelio
+    from .compiler.builder import float_initializers
+    from .runtime.loop import BATCHES_SEEN, accuracy, fit
 
     model = modelio.load_proto(args.model)
     loss_name = args.loss_name
     if args.loss:
-        from .passes.loss import append_loss
+        from .training.loss import append_loss
 
         output = args.loss_output or model.graph.output[0].name
         loss_name = loss_name or "loss"
@@ -304,7 +305,7 @@ def _cmd_train(args) -> int:
         params.optimizer_attributes_map = {w: {"max_norm_clip": args.max_grad_norm} for w in weights}
     providers = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
                  "auto": None}[args.device]
-    from .session import TrainingSession
+    from .runtime.session import TrainingSession
 
     session = TrainingSession(model.SerializeToString(), params, providers=providers)
     done = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .builder import GradientGraphBuilder
+from .compiler.builder import GradientGraphBuilder
 from .errors import InvalidArgumentError
 from .testing import gradcheck
 
@@ -44,8 +44,8 @@ def run(print_fn=print, steps: int = 300, lr: float = 0.01, batch_size: int = 64
     import onnxruntime as ort
 
     from . import TrainingParameters
-    from .loop import accuracy, fit
-    from .session import TrainingSession
+    from .runtime.loop import accuracy, fit
+    from .runtime.session import TrainingSession
 
     model = demo_model_bytes()
     x, labels = demo_batch()

@@ -10,11 +10,10 @@ import math
 
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, constant_of, optional_input, register
+from gradbuilder.compiler.registry import attr, constant_of, optional_input, register
 
 
 # ----------------------------------------------------------------------------- helpers
-
 
 
 def _output(n, i):

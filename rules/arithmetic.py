@@ -1,7 +1,7 @@
 """Elementwise arithmetic: Add Sub Mul Div Neg Pow Sqrt Reciprocal Exp Log Abs Sum Mean Min Max
 Identity Cast CastLike Where."""
 
-from gradbuilder.registry import register
+from gradbuilder.compiler.registry import register
 
 
 @register("Add")

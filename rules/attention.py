@@ -39,9 +39,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from gradbuilder.autodiff import captures, walk
+from gradbuilder.compiler.autodiff import captures, walk
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, optional_input, register
+from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
 from gradbuilder.rules.shape import (
     INT64_MAX,
     Dims,
@@ -56,7 +56,6 @@ from gradbuilder.rules.shape import (
     vec,
     zeros,
 )
-
 
 
 def _add(e, *parts):

@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, optional_input, register
+from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
 from gradbuilder.rules.linalg import matmul
 from gradbuilder.rules.shape import cast_to, static_dims
 
@@ -39,7 +39,6 @@ _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 # ----------------------------------------------------------------------------- helpers
-
 
 
 def _padded(dys, count):

@@ -23,10 +23,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.autodiff import is_float, node_inputs, walk
+from gradbuilder.compiler.autodiff import is_float, node_inputs, walk
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.passes.store_trips import TRIPS
-from gradbuilder.registry import attr, register
+from gradbuilder.compiler.registry import TRIPS, attr, register
 
 
 def _clone(graph: ir.Graph, e, suffix: str) -> ir.Graph:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register, unknown_rank
+from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
 from gradbuilder.rules.shape import is_static
 
 INT64_MIN = int(np.iinfo(np.int64).min)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register
+from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register
 from gradbuilder.rules.shape import (
     Dims,
     accumulation_type,
@@ -35,7 +35,6 @@ from gradbuilder.rules.shape import (
     vec,
     zeros,
 )
-
 
 
 # ----------------------------------------------------------------------------- Slice

@@ -19,7 +19,7 @@ sample's loss receives (dy, dy broadcast, or dy/sum(W))::
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import attr, dims_of, register
 
 
 def _class_vector(e, v, x):

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
 from gradbuilder.rules.shape import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec
 
 # ----------------------------------------------------------------------------- helpers

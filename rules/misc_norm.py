@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register, unknown_rank
+from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
 from gradbuilder.rules.conv import conv_transpose_fitted, dim, is_static, reshape, window_axes
 
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

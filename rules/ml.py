@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
 
 ML = "ai.onnx.ml"
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import attr, dims_of, register
 from gradbuilder.rules.shape import cast_to, static_dims
 
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

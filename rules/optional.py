@@ -7,7 +7,7 @@ sequence), not an optional: wrapping and unwrapping pass dy through unchanged.
 
 from __future__ import annotations
 
-from gradbuilder.registry import register
+from gradbuilder.compiler.registry import register
 
 
 @register("Optional")

@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, dims_of, register, unknown_rank
+from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
 from gradbuilder.rules.conv import (
     add,
     conv_fitted,
@@ -241,7 +241,6 @@ def global_max_pool(n, dys, needs, e):
     mask = e.CastLike(e.Equal(x, y), x)
     count = e.reduce("ReduceSum", mask, list(range(2, rank)), keepdims=True)
     return (e.Mul(e.Div(dy, count), mask),)
-
 
 
 # ----------------------------------------------------------------------------- MaxUnpool

@@ -35,7 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import attr, dims_of, register
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}

@@ -1,7 +1,7 @@
 """The Reduce family. Each gradient is ``dy`` restored to the input's rank, broadcast back,
 times the local derivative of the reduction."""
 
-from gradbuilder.registry import attr, constant_of, dims_of, register
+from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
 
 
 def reduce_axes(n):

@@ -33,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import attr, dims_of, register
 from gradbuilder.rules.conv import arange as _arange
 from gradbuilder.rules.conv import dim, is_static, mul, vec
 from gradbuilder.rules.conv import prod as _prod

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, optional_input, register
+from gradbuilder.compiler.registry import attr, optional_input, register
 from gradbuilder.rules.shape import INT64_MAX, Dims, cast_to, iadd, isub, reverse, scalar_of, stack
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
+from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)

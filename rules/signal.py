@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.registry import attr, constant_of, optional_input, register
+from gradbuilder.compiler.registry import attr, constant_of, optional_input, register
 from gradbuilder.rules.shape import (
     Dims,
     accumulation_type,

@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
+from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
 from gradbuilder.rules.shape import (
     HALF_TYPES,
     Dims,
@@ -42,7 +42,6 @@ from gradbuilder.rules.shape import (
     vec,
     zeros,
 )
-
 
 
 def _text(n, name, default):

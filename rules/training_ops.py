@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradbuilder.registry import attr, register
+from gradbuilder.compiler.registry import attr, register
 
 TRAINING = "ai.onnx.preview.training"
 

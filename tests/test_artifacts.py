@@ -6,7 +6,7 @@ import pytest
 from onnx import helper
 
 from gradbuilder import InvalidArgumentError
-from gradbuilder.artifacts import export_model_for_inferencing, generate_artifacts
+from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.testing import run_onnxruntime
 
 from .helpers import linear_model, make_model, tensor, vi
@@ -61,9 +61,9 @@ def classifier():
 def test_generate_artifacts_train_on_stock_onnxruntime(tmp_path, optimizer):
     """The four artifacts load in onnxruntime; a step of training_model then optimizer_model
     equals the same step of the one-graph TrainingGraphBuilder."""
-    from gradbuilder.artifacts import generate_artifacts
-    from gradbuilder.passes.loss import append_loss
-    from gradbuilder.training import TrainingGraphBuilder
+    from gradbuilder.training.artifacts import generate_artifacts
+    from gradbuilder.training.loss import append_loss
+    from gradbuilder.training.graph import TrainingGraphBuilder
 
     paths = generate_artifacts(classifier(), loss="crossentropy", optimizer=optimizer, artifact_directory=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
@@ -101,7 +101,7 @@ def test_artifacts_command(tmp_path):
 @pytest.mark.parametrize("name, plain", [("AdamW", "adamw"), ("SGD", "sgd"), ("AdamOptimizer", "adam"),
                                          ("lamboptimizer", "lamb")])
 def test_optimizer_names_are_read_as_training_parameters_reads_them(tmp_path, name, plain):
-    from gradbuilder.passes.optimizer import state_names, resolve
+    from gradbuilder.training.stages.optimizer import state_names, resolve
 
     written = generate_artifacts(linear_model(), optimizer=name, artifact_directory=tmp_path)
     with np.load(written["checkpoint.npz"], allow_pickle=False) as ckpt:

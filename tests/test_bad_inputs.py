@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 
 from gradbuilder import (GradientGraphBuilder, TrainingGraphBuilder, TrainingParameters, TrainingSession,
                          state_interface)
-from gradbuilder.artifacts import export_model_for_inferencing, generate_artifacts
+from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.compat import MissingDependencyError, runtime_limits
 from gradbuilder.errors import InvalidArgumentError, ModelLoadError
 
@@ -446,7 +446,7 @@ def test_graphsurgeon_graph_round_trip(tmp_path):
 
 
 def test_unusable_provider_warning_points_at_the_caller(monkeypatch):
-    from gradbuilder import providers
+    from gradbuilder.runtime import providers
 
     monkeypatch.setattr(providers, "_works", lambda name: name == "CPUExecutionProvider")
     monkeypatch.setattr(providers, "_warned", set())

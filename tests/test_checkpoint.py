@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gradbuilder import checkpoint
+from gradbuilder.runtime import checkpoint
 from gradbuilder.errors import CheckpointError, InvalidArgumentError
 
 DAMAGED = r"corrupt|truncated"
@@ -115,7 +115,7 @@ def laid_out_checkpoint(path, format=FORMAT):
     return tensors
 
 
-# bytes of a checkpoint written by the first format's writer (gradbuilder.checkpoint before it
+# bytes of a checkpoint written by the first format's writer (gradbuilder.runtime.checkpoint before it
 # used the safetensors package): w F32 [2,3], Step I64 [], h BF16 [1.5, -2], flag BOOL, u U16
 V1_FILE = base64.b64decode(
     "yAEAAAAAAAB7InciOnsiZHR5cGUiOiJGMzIiLCJzaGFwZSI6WzIsM10sImRhdGFfb2Zmc2V0cyI6WzAsMjRdfSwiU3RlcCI6"

@@ -4,7 +4,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from gradbuilder import registry
+from gradbuilder.compiler import registry
 from gradbuilder.cli import main
 
 from .helpers import linear_model
@@ -97,7 +97,7 @@ def test_train_resumed_continues_schedule_and_data_order_as_one_run(tmp_path, ca
     """60 + 60 batches through a checkpoint give the weights of 120 without stopping: the
     schedule continues at its position (its warm-up spans the checkpoint), the batches continue
     in the same order (120 batches of 32 are 7.5 epochs of the 512 rows)."""
-    from gradbuilder import checkpoint
+    from gradbuilder.runtime import checkpoint
 
     model, data, _, _ = _demo_files(tmp_path)
     common = ["train", str(model), "--data", str(data), "--batch-size", "32", "--scheduler", "constant_with_warmup",

@@ -128,12 +128,12 @@ def test_status_of_each_error_kind():
 
 
 def test_a_failed_write_is_one_line_with_status_1(files, capsys, monkeypatch):
-    import gradbuilder.builder
+    import gradbuilder.compiler.builder
 
     def disk_full(self, path):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(gradbuilder.builder.GradientGraphBuilder, "save", disk_full)
+    monkeypatch.setattr(gradbuilder.compiler.builder.GradientGraphBuilder, "save", disk_full)
     assert main(["build", str(files / "linear.onnx"), "--loss", "loss", "-o", str(files / "g.onnx")]) == 1
     err = capsys.readouterr().err
     assert err == f"gradbuilder: error: [Errno 28] No space left on device: '{files / 'g.onnx'}'\n"

@@ -15,7 +15,7 @@ import pytest
 
 import gradbuilder
 from gradbuilder.cli import main
-from gradbuilder.loop import fit
+from gradbuilder.runtime.loop import fit
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from gradbuilder import checkpoint
+from gradbuilder.runtime import checkpoint
 from gradbuilder.cli import main
 from gradbuilder.demo import demo_batch, demo_model_bytes
 

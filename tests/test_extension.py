@@ -13,7 +13,7 @@ from gradbuilder import (
     register_gradient,
     register_gradient_definition,
 )
-from gradbuilder import registry
+from gradbuilder.compiler import registry
 
 from .helpers import make_model, tensor, vi
 

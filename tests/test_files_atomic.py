@@ -15,8 +15,10 @@ import numpy as np
 import onnx
 import pytest
 
-from gradbuilder import GradientGraphBuilder, checkpoint, files, modelio
-from gradbuilder.artifacts import export_model_for_inferencing, generate_artifacts
+from gradbuilder import GradientGraphBuilder, files
+from gradbuilder.runtime import checkpoint
+from gradbuilder.compiler import modelio
+from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.errors import OutputError
 
 from .helpers import linear_model, make_model, tensor, vi
@@ -187,7 +189,7 @@ def test_failed_rename_of_a_model_keeps_the_old_one(tmp_path, monkeypatch, built
 CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
-    from gradbuilder import checkpoint
+    from gradbuilder.runtime import checkpoint
     if sys.argv[2] == "handler":  # the program's own SIGTERM handler is kept
         def stop(signum, frame):
             raise SystemExit(3)

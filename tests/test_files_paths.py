@@ -11,8 +11,9 @@ import numpy as np
 import onnx
 import pytest
 
-from gradbuilder import GradientGraphBuilder, checkpoint
-from gradbuilder.artifacts import export_model_for_inferencing, generate_artifacts
+from gradbuilder import GradientGraphBuilder
+from gradbuilder.runtime import checkpoint
+from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.errors import CheckpointError, GradBuilderError, ModelLoadError, OutputError
 
 from .helpers import linear_model
@@ -44,11 +45,11 @@ def _no_work(*args, **kwargs):
 SAVES = {
     "GradientGraphBuilder.save": (OutputError, lambda p, mp, fx: fx["built"].save(p)),
     "export_model_for_inferencing": (OutputError, lambda p, mp, fx: (
-        mp.setattr("gradbuilder.modelio.load_proto", _no_work),
+        mp.setattr("gradbuilder.compiler.modelio.load_proto", _no_work),
         export_model_for_inferencing(linear_model(), p, ["loss"]))),
     "checkpoint.save": (CheckpointError, lambda p, mp, fx: checkpoint.save(p, {"w": np.ones(3, np.float32)})),
     "TrainingSession.save_checkpoint": (CheckpointError, lambda p, mp, fx: (
-        mp.setattr("gradbuilder.session._array", _no_work), fx["trained"].save_checkpoint(p))),
+        mp.setattr("gradbuilder.runtime.session._array", _no_work), fx["trained"].save_checkpoint(p))),
 }
 
 # (name, make(tmp_path) -> path, expected message)
@@ -96,7 +97,7 @@ def test_bad_artifact_directory_is_refused_before_building(tmp_path, monkeypatch
     make, message = BAD_ARTIFACT_DIRECTORIES[case]
     path = make(tmp_path)
     before = tree(tmp_path)
-    monkeypatch.setattr("gradbuilder.modelio.load_proto", _no_work)
+    monkeypatch.setattr("gradbuilder.compiler.modelio.load_proto", _no_work)
     with pytest.raises(OutputError, match=message.format(t=re.escape(str(tmp_path)))) as info:
         generate_artifacts(linear_model(), artifact_directory=path)
     assert "\n" not in str(info.value)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradbuilder.passes.loss_scale import GOOD_STEPS, SCALE, LossScaling
+from gradbuilder.training.stages.loss_scale import GOOD_STEPS, SCALE, LossScaling
 
 from .test_optimizers import assert_weights_match, next_state, training_run
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder, InvalidArgumentError
-from gradbuilder.passes.loss import append_loss
+from gradbuilder.training.loss import append_loss
 from gradbuilder.testing import run_onnxruntime
 
 N, FEAT, C, D = 5, 3, 4, 2

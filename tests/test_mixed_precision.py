@@ -17,9 +17,9 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.passes.cleanup import remove_unused_nodes
-from gradbuilder.passes.mixed_precision import autocast, propagation_ops
-from gradbuilder.registry import Emitter
+from gradbuilder.compiler.passes.cleanup import remove_unused_nodes
+from gradbuilder.compiler.passes.mixed_precision import autocast, propagation_ops
+from gradbuilder.compiler.pipeline import Context
 
 from .helpers import make_model, tensor, vi
 
@@ -149,10 +149,10 @@ def attention23():
 def run_autocast(proto, low="float16", level=1, allow=()):
     """The forward graph after autocast (and dead-node cleanup), as an IR model, and the counts."""
     model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
-    e = Emitter(model.graph, model.opset_imports[""])
-    counts = autocast(model.graph, low, e.unique, level=level, allow=allow)
+    ctx = Context.of(model, mixed_precision=low, cast_propagation=(level, list(allow)))
+    autocast(model, ctx)
     remove_unused_nodes(model)
-    return model, counts
+    return model, ctx.reports["mixed_precision"]
 
 
 def ops(model, op_type):
@@ -339,8 +339,9 @@ def test_subgraphs_and_other_domains_are_left_alone():
     proto = make_model(nodes, [vi("x", [2, 3]), vi("cond", [], TensorProto.BOOL)],
                        [vi("y", [2, 4]), vi("z", [2, 4])], [tensor("W", _w(rng, 3, 4))], domains=["custom"])
     model = ir.from_proto(proto)
-    e = Emitter(model.graph, model.graph.opset_imports[""])
-    counts = autocast(model.graph, "float16", e.unique)
+    ctx = Context.of(model, mixed_precision="float16")
+    autocast(model, ctx)
+    counts = ctx.reports["mixed_precision"]
     assert counts == {"casts": 0, "low_nodes": 0, "propagated": 0}
     assert [n.op_type for n in ir.traversal.RecursiveGraphIterator(model.graph)].count("Cast") == 0
 

@@ -16,7 +16,7 @@ from onnx import helper
 
 from gradbuilder import NonFiniteError, TrainingParameters
 from gradbuilder.errors import InvalidArgumentError
-from gradbuilder.session import TrainingSession
+from gradbuilder.runtime.session import TrainingSession
 
 from .helpers import make_model, tensor, vi
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradbuilder.testing import ort_session
-from gradbuilder.training import TrainingGraphBuilder
+from gradbuilder.training.graph import TrainingGraphBuilder
 
 from .torch_models import export
 
@@ -146,7 +146,7 @@ def test_training_parameters_drive_100_steps_like_torch(tmp_path):
     epsilon, max_norm_clip, gradient accumulation) build the graphs; a plain onnxruntime loop
     trains 100 steps and follows torch's loss curve (AdamW + clip_grad_norm_) to 1e-4."""
     from gradbuilder import TrainingParameters
-    from gradbuilder.training import from_parameters
+    from gradbuilder.training.graph import from_parameters
 
     torch.manual_seed(0)
     module = MLP()
@@ -194,7 +194,7 @@ def test_weight_selection_immutable_weights_and_initial_state():
     from onnx import helper, numpy_helper
 
     from gradbuilder import InvalidArgumentError, TrainingParameters
-    from gradbuilder.training import from_parameters
+    from gradbuilder.training.graph import from_parameters
 
     from .helpers import make_model, vi
 

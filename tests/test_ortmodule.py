@@ -300,7 +300,7 @@ def test_debug_options_save_onnx_and_log_level(tmp_path, caplog):
     assert logging.getLogger("gradbuilder.ortmodule").level == logging.INFO
     compiled = next(iter(om._compiled.values()))
     # onnxruntime's INFO lines are its graph transformers' trace: its sessions stay at WARNING
-    assert compiled.forward_session.get_session_options().log_severity_level == 2
+    assert compiled.forward_graph.session.get_session_options().log_severity_level == 2
     with pytest.raises(InvalidArgumentError, match="onnx_prefix"):
         DebugOptions(save_onnx=True)
     with pytest.raises(InvalidArgumentError, match="onnx_prefix must be a str, got int"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradbuilder.errors import InvalidArgumentError
-from gradbuilder.params import EXTENSIONS, NOT_SUPPORTED_YET, OPTIONS, TrainingParameters
+from gradbuilder.training.params import EXTENSIONS, NOT_SUPPORTED_YET, OPTIONS, TrainingParameters
 
 # Read from onnxruntime.capi._pybind_state.TrainingParameters() of the onnxruntime-training
 # 1.19.2 wheel (sets shown as sorted lists). That binding has no immutable_weights.
@@ -167,7 +167,7 @@ def test_unknown_option_suggests_the_close_one():
     p = TrainingParameters()
     with pytest.raises(InvalidArgumentError, match=r"no option 'weights_to_trian'; did you mean 'weights_to_train'"):
         p.weights_to_trian = {"W"}
-    with pytest.raises(InvalidArgumentError, match=r"no option 'zzz'; see gradbuilder.params.OPTIONS"):
+    with pytest.raises(InvalidArgumentError, match=r"no option 'zzz'; see gradbuilder.training.params.OPTIONS"):
         TrainingParameters(zzz=1)
     with pytest.raises(AttributeError):
         p.zzz  # noqa: B018

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from gradbuilder import providers
+from gradbuilder.runtime import providers
 from gradbuilder.errors import InvalidArgumentError, ProviderError
 
 from .helpers import make_model, vi

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from gradbuilder import TrainingParameters
-from gradbuilder.artifacts import generate_artifacts
+from gradbuilder.training.artifacts import generate_artifacts
 from gradbuilder.errors import InvalidArgumentError, ProviderError
-from gradbuilder.passes.running_stats import buffers_of
-from gradbuilder.session import TrainingSession
+from gradbuilder.compiler.passes.running_stats import buffers_of
+from gradbuilder.runtime.session import TrainingSession
 
 CPU = ["CPUExecutionProvider"]
 BATCH, CLASSES = 8, 5

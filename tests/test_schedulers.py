@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradbuilder import schedulers
+from gradbuilder.runtime import schedulers
 from gradbuilder.errors import InvalidArgumentError
 
 LR0 = 0.03

@@ -21,7 +21,7 @@ import torch
 
 from gradbuilder import TrainingParameters
 from gradbuilder.errors import InvalidArgumentError
-from gradbuilder.session import TrainingSession
+from gradbuilder.runtime.session import TrainingSession
 
 CPU = ["CPUExecutionProvider"]
 BATCH, FEATURES, CLASSES = 5, 6, 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gradbuilder import TrainingParameters, TrainingSession
-from gradbuilder.passes.loss_scale import SCALE
+from gradbuilder.training.stages.loss_scale import SCALE
 
 STEPS = 6
 CPU = ["CPUExecutionProvider"]

@@ -18,7 +18,7 @@ import torch
 
 from gradbuilder import TrainingParameters
 from gradbuilder.errors import CheckpointError, InvalidArgumentError, ProviderError
-from gradbuilder.session import TrainingSession
+from gradbuilder.runtime.session import TrainingSession
 
 from .test_session import (
     CPU, LR, WEIGHTS, assert_close_state, assert_same_state, assert_weights_match, batches, feeds, model_bytes,

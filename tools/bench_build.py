@@ -156,7 +156,7 @@ def _peak_rss_mb() -> float:
 def _child(path: str) -> None:
     """Build one model's gradient graph; print timings and peak RSS as JSON."""
     from gradbuilder import GradientGraphBuilder
-    from gradbuilder.builder import float_initializers
+    from gradbuilder.compiler.builder import float_initializers
 
     t0 = time.perf_counter()
     weights = float_initializers(path)

@@ -7,7 +7,7 @@ The state is shaped like a model trained with AdamW: 32 float32 weights of ``--m
 each, their ``exp_avg`` and ``exp_avg_sq``, and ``Step``. Contenders, each load in a child
 process of its own (so peaks do not mix), rounds interleaved:
 
-    gradbuilder          gradbuilder.checkpoint.load of a file written by gradbuilder.checkpoint.save
+    gradbuilder          gradbuilder.runtime.checkpoint.load of a file written by gradbuilder.runtime.checkpoint.save
     gradbuilder-v1file   the same load of a file in the first checkpoint format
                          (written by ``--before-source``; only with it)
     before               ``--before-source``'s load of its own file (an earlier checkpoint.py)
@@ -82,14 +82,14 @@ def state(mb: int) -> dict:
 
 
 def write(kind: str, path: str, mb: int, source: str | None) -> None:
-    from gradbuilder import checkpoint
+    from gradbuilder.runtime import checkpoint
 
     module = old_module(source) if kind == "before" else checkpoint
     module.save(path, state(mb), {"model": "bench"})
 
 
 def load(kind: str, path: str, source: str | None) -> dict:
-    from gradbuilder import checkpoint
+    from gradbuilder.runtime import checkpoint
     from safetensors.numpy import load_file
 
     if kind == "safetensors":

@@ -4,7 +4,7 @@ For each model, one process trains the same network from the same weights on the
 batch with
 
 - ``pytorch``:          eager PyTorch, ``torch.optim.AdamW(lr=1e-3)``, ``torch.set_num_threads(N)``;
-- ``trainingsession``:  ``gradbuilder.session.TrainingSession`` (AdamW with torch's defaults,
+- ``trainingsession``:  ``gradbuilder.runtime.session.TrainingSession`` (AdamW with torch's defaults,
                         no gradient clipping), onnxruntime ``intra_op_num_threads = N``, inputs
                         as OrtValues, one ``run_with_ort_values`` per step;
 
@@ -95,7 +95,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradbuilder import TrainingParameters
-from gradbuilder.session import TrainingSession
+from gradbuilder.runtime.session import TrainingSession
 
 MODELS = ("mlp", "transformer", "cnn")
 LR = 1e-3

@@ -83,7 +83,7 @@ def with_loss(model, outputs: dict[str, np.ndarray], seed: int = 0):
     import onnx
     from onnx import helper, numpy_helper
 
-    from gradbuilder.modelio import add_default_opset
+    from gradbuilder.compiler.modelio import add_default_opset
 
     rng = np.random.default_rng(seed)
     m = onnx.ModelProto()

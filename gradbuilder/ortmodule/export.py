@@ -45,9 +45,9 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from ..errors import GradBuilderError
-from ..modelio import to_ir
-from ..passes.running_stats import expose_running_statistics
-from ..registry import Emitter
+from ..compiler.modelio import to_ir
+from ..compiler.passes.running_stats import expose_running_statistics
+from ..compiler.pipeline import Context
 from .options import logger
 
 OPSET = 17
@@ -648,13 +648,13 @@ def _running_stats(model: onnx.ModelProto, fed: dict[str, str],
         return model, {}, []
     ir_model = to_ir(model)
     graph = ir_model.graph
-    opset = ir_model.opset_imports.get("", OPSET)
-    e = Emitter(graph, opset)
+    ctx = Context.of(ir_model, running_statistics=True, unbiased_variance=True)
+    e = ctx.emitter
     running: dict[str, str] = {}
     counters: list[str] = []
     buffers = dict(module.named_buffers())
-    updates = expose_running_statistics(graph, e, opset, unbiased=True)
-    for old, new in updates:
+    expose_running_statistics(ir_model, ctx)
+    for old, new in ctx.buffers:
         if old.name not in fed:  # a constant, not a buffer of the module
             continue
         buffer = fed[old.name]

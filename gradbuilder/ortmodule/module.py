@@ -30,7 +30,7 @@ class ORTModule(torch.nn.Module):
     On the first call with a new input signature (tensor ranks, dtypes, devices and
     requires_grad, the non-tensor arguments, train/eval mode, which parameters require grad)
     the module is exported with torch's ONNX exporter and split into a forward graph and a
-    backward graph (see ``gradbuilder.split``); later calls with that signature reuse them,
+    backward graph (see ``gradbuilder.compiler.split``); later calls with that signature reuse them,
     whatever their batch and sequence sizes. Parameters and buffers stay the wrapped module's
     own tensors: ``parameters()``, ``state_dict()``, ``load_state_dict()``, ``to()``, optimizers and
     schedulers work on them unchanged; ``forward``'s signature is the module's; attributes set and

@@ -11,8 +11,9 @@ import onnxruntime.capi._pybind_state as _C
 import torch
 from torch.autograd.function import once_differentiable
 
-from .. import providers as _providers
-from ..split import SplitGraphs, build_split
+from ..runtime import providers as _providers
+from ..runtime.runner import compile_graph
+from ..compiler.split import SplitGraphs, build_split
 from .export import Exported
 from .options import DebugOptions, logger
 
@@ -79,15 +80,12 @@ class Compiled:
             saved_files = saved_files if saved_files is not None else collections.Counter()
             saved_files[self.mode] += 1
             self._save(debug, saved_files[self.mode], forward, backward)
-        self.forward_session = ort.InferenceSession(forward.SerializeToString(), so, providers=providers,
-                                                    provider_options=options)
-        self.backward_session = (None if backward is None else ort.InferenceSession(
-            backward.SerializeToString(), so, providers=providers, provider_options=options))
-        self.forward_inputs = [i.name for i in self.forward_session.get_inputs()]
-        self.forward_outputs = [o.name for o in self.forward_session.get_outputs()]
+        self.forward_graph = compile_graph(forward.SerializeToString(), so, providers, options, self.ort_device)
+        self.backward_graph = (None if backward is None else
+                               compile_graph(backward.SerializeToString(), so, providers, options, self.ort_device))
+        self.forward_inputs = list(self.forward_graph.inputs)
         if backward is not None:
-            self.backward_inputs = [i.name for i in self.backward_session.get_inputs()]
-            self.backward_outputs = [o.name for o in self.backward_session.get_outputs()]
+            self.backward_inputs = list(self.backward_graph.inputs)
             # the call's tensors and outputs the backward reads (the rest it reads is saved values)
             self.reads = set(self.backward_inputs) - set(self.split.seeds) - set(self.split.saved)
             # each backward seed takes the sum of the gradients of the outputs it stands for
@@ -117,21 +115,11 @@ class Compiled:
                 tmp.write_bytes(model if isinstance(model, bytes) else model.SerializeToString())
 
     # ------------------------------------------------------------------ running
-    def _run(self, session, feeds: dict[str, ort.OrtValue], outputs: list[str]) -> dict[str, ort.OrtValue]:
-        binding = session.io_binding()
-        for name, value in feeds.items():
-            binding.bind_ortvalue_input(name, value)
-        kind, index = self.ort_device
-        for name in outputs:
-            binding.bind_output(name, kind, index)
-        session.run_with_iobinding(binding)
-        return dict(zip(outputs, binding.get_outputs()))
-
     def forward(self, feeds: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
-        return self._run(self.forward_session, {n: feeds[n] for n in self.forward_inputs}, self.forward_outputs)
+        return self.forward_graph.run({n: feeds[n] for n in self.forward_inputs})
 
     def backward(self, feeds: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
-        return self._run(self.backward_session, {n: feeds[n] for n in self.backward_inputs}, self.backward_outputs)
+        return self.backward_graph.run({n: feeds[n] for n in self.backward_inputs})
 
 
 class ORTFunction(torch.autograd.Function):

@@ -71,9 +71,9 @@ def differentiate_model(model, weights, *, forget_shapes=False):
     shape inference."""
     import onnx_ir as ir
 
-    from gradbuilder import modelio
-    from gradbuilder.autodiff import differentiate
-    from gradbuilder.registry import Emitter
+    from gradbuilder.compiler import modelio
+    from gradbuilder.compiler.autodiff import differentiate
+    from gradbuilder.compiler.registry import Emitter
 
     opset = model.opset_import[0].version
     m = ir.from_proto(model if forget_shapes else modelio.normalize(model))

@@ -142,7 +142,7 @@ def test_causal_conv_with_state_some_inputs(wrt, t):
 
 def test_causal_conv_with_state_matches_the_function_body(t):
     """The direct rule and the function-body fallback give the same gradients."""
-    from gradbuilder import registry
+    from gradbuilder.compiler import registry
 
     model, weights, feeds = conv_model(cleaned(conv_inputs(t)), {"activation": "silu"})
     direct = gradients(model, weights, feeds, float64=True)

@@ -1,0 +1,307 @@
+"""GradientGraphBuilder: load -> differentiate -> passes -> serialize."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable
+
+import onnx
+import onnx_ir as ir
+
+from .. import compat
+from ..errors import InvalidArgumentError, InvalidModelError, OutputError
+from ..interface import updated
+from . import modelio, pipeline
+from .autodiff import differentiate
+from .passes import named_output
+from .registry import FLOAT_TYPES, Emitter, dims_of
+
+KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
+
+
+class GradientGraphBuilder:
+    """Builds the gradient graph of ``loss`` with respect to ``weights``.
+
+    >>> b = GradientGraphBuilder(model, weights=["W", "B"], outputs=["loss"], loss="loss").build()
+    >>> b.save("model_with_grads.onnx")
+
+    ``model`` is bytes, a path, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph`` (never
+    modified); tensors in external data files are read from ``base_dir`` (default: the folder
+    of the model's path). The written graph
+    has the requested ``outputs`` first, then one output ``<weight>_grad`` per weight, same
+    shape and dtype as the weight (``gradient_suffix`` changes ``_grad``, e.g. to
+    differentiate a gradient graph again). Trainable initializers also become graph inputs, the
+    initializer kept as their default value.
+    """
+
+    def __init__(
+        self,
+        model,
+        weights: Iterable[str] | None = None,
+        outputs: Iterable[str] | None = None,
+        loss: str | None = None,
+        *,
+        stop_gradients: Iterable[str] = (),
+        gradient_suffix: str = "_grad",
+        mixed_precision: str | None = None,
+        cast_propagation: tuple[int, Iterable[str]] = (1, ()),
+        recompute=None,
+        memory_efficient_gradient: bool = False,
+        running_statistics: bool = False,
+        base_dir: str | os.PathLike | None = None,
+    ):
+        if weights is None or loss is None:
+            raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
+        if isinstance(weights, str) or isinstance(outputs, str):
+            raise InvalidArgumentError(
+                f"weights and outputs are lists of names, not a single string: {KEYWORD_FORM}"
+            )
+        if not isinstance(loss, str):
+            raise InvalidArgumentError(f"loss is the name of one value, got {loss!r}: {KEYWORD_FORM}")
+        self._source = model
+        self.base_dir = base_dir
+        self.weights = list(weights)
+        self.outputs = list(outputs) if outputs is not None else [loss]
+        self.loss = loss
+        self.stop_gradients = list(stop_gradients)
+        self.gradient_suffix = gradient_suffix
+        if mixed_precision not in (None, "float16", "bfloat16"):
+            raise InvalidArgumentError(f"mixed_precision is None, 'float16' or 'bfloat16', got {mixed_precision!r}")
+        self.mixed_precision = mixed_precision
+        self.cast_propagation = (int(cast_propagation[0]), list(cast_propagation[1]))
+        self.recompute = recompute  # a passes.recompute.RecomputeOptions, or None
+        self.recompute_report = None
+        self.memory_efficient_gradient = bool(memory_efficient_gradient)
+        self.running_statistics = bool(running_statistics)
+        self.buffers: list[str] = []
+        self.unreached_weights: list[str] = []
+        self.timings: dict[str, float] = {}
+        self._result: modelio.DetachedModel | None = None
+
+    # Whether build() warns about the model (an inference-optimized export, a version onnxruntime
+    # cannot run); graphs built inside a session that already said so do not repeat it.
+    _warn_about_model = True
+
+    # ----------------------------------------------------------------------------- build
+    def build(self) -> "GradientGraphBuilder":
+        with pipeline.cyclic_collection_paused():
+            return self._build()
+
+    def _build(self) -> "GradientGraphBuilder":
+        t0 = time.perf_counter()
+        proto, weights_bytes = modelio.load_detached(self._source, self.base_dir)
+        if self._warn_about_model:
+            from .torch_exports import warn_inference_export
+
+            warn_inference_export(proto)
+        model = pipeline.load(proto, self.weights + self.stop_gradients, quiet=not self._warn_about_model)
+        del proto
+        t1 = time.perf_counter()
+        self._differentiate(model)
+        t2 = time.perf_counter()
+        _drop_inner_types(model.graph)
+        out = modelio.DetachedModel(ir.to_proto(model), weights_bytes)
+        nodes = len(model.graph)
+        del model
+        pipeline.release(nodes)
+        out.check()
+        self._result = out
+        t3 = time.perf_counter()
+        self.timings = {"load": t1 - t0, "differentiate": t2 - t1, "serialize": t3 - t2}
+        return self
+
+    def _differentiate(self, model: ir.Model) -> None:
+        """Append the backward graph to ``model`` and set its inputs and outputs."""
+        graph = model.graph
+        values = pipeline.values_by_name(graph)
+        weights, outputs, loss = self._resolve(graph, values)
+        _require_ranks(graph.inputs, outputs)
+        stops = frozenset(values[n] for n in self._names_exist(self.stop_gradients, values, "stop_gradients"))
+        ctx = pipeline.Context.of(
+            model, wrt=weights, running_statistics=self.running_statistics,
+            unbiased_variance=model.producer_name == "pytorch", mixed_precision=self.mixed_precision,
+            cast_propagation=self.cast_propagation, recompute=self.recompute)
+        pipeline.run(pipeline.PREPARE, model, ctx)
+        buffers = self._take_buffers(graph, weights, ctx.buffers)
+        e = ctx.emitter
+        ctx.forward = list(graph)
+        result = differentiate(graph, weights, self._loss_to_differentiate(e, loss), ctx.opset, e, stop_gradients=stops,
+                               eager_sums=self.memory_efficient_gradient)
+        if result.unreached:
+            self.unreached_weights = result.unreached
+            compat.warn("these weights do not reach the loss and get a zero gradient: " + ", ".join(result.unreached))
+        grad_outputs = pipeline.name_gradients(e, weights, result.grads, self.gradient_suffix)
+        for w in weights:
+            if w.is_initializer() and not w.is_graph_input():
+                graph.inputs.append(w)
+        new_inputs, new_outputs = self._after_gradients(e, weights, dict(zip([w.name for w in weights], grad_outputs)))
+        buffer_outputs = [named_output(e, self._buffer_update(e, new, old), updated(old.name), old)
+                          for old, new in buffers]
+        graph.inputs.extend(new_inputs)
+        graph.outputs.clear()
+        graph.outputs.extend(outputs + (grad_outputs if self._gradients_as_outputs() else []) + new_outputs
+                             + buffer_outputs)
+        with compat.warnings_at_caller():
+            pipeline.run(pipeline.FINISH, model, ctx)
+        self.recompute_report = ctx.reports.get("recompute")
+
+    def _take_buffers(self, graph: ir.Graph, weights, updates) -> list[tuple[ir.Value, ir.Value]]:
+        """The running statistics the pipeline exposed (``passes.running_stats``), as (buffer,
+        new value); each buffer becomes a graph input (its initializer kept as the default),
+        as the weights do."""
+        self.buffers = [old.name for old, _ in updates]
+        trained = sorted({w.name for w in weights} & set(self.buffers))
+        if trained:
+            raise InvalidArgumentError(
+                f"{trained} are BatchNormalization running statistics: buffers the training step updates, "
+                "not weights to train; remove them from the weights")
+        for old, _ in updates:
+            if not old.is_graph_input():
+                graph.inputs.append(old)
+        return updates
+
+    # Hooks for graphs built on the gradients (the training graph): extra graph inputs and
+    # outputs appended after the gradients, the new value of a buffer, and whether the
+    # gradients stay outputs.
+    def _buffer_update(self, e: Emitter, new: ir.Value, old: ir.Value) -> ir.Value:
+        return new
+
+    def _after_gradients(self, e: Emitter, weights: list[ir.Value], grads: dict[str, ir.Value]):
+        return [], []
+
+    def _gradients_as_outputs(self) -> bool:
+        return True
+
+    def _loss_to_differentiate(self, e: Emitter, loss: ir.Value) -> ir.Value:
+        """The value whose gradient seeds the backward (the training graph scales the loss)."""
+        return loss
+
+    def _names_exist(self, names, values, what):
+        for n in names:
+            if n not in values:
+                raise InvalidArgumentError(f"{what}: no value named '{n}' in the model")
+        return names
+
+    def _resolve(self, graph: ir.Graph, values: dict[str, ir.Value]):
+        produced = {n: v for n, v in values.items() if v.producer() is not None}
+        initializers = set(graph.initializers)
+        looks_swapped = (
+            any(n in produced or n == self.loss for n in self.weights)
+            and any(n in initializers for n in self.outputs)
+        )
+        if looks_swapped:
+            raise InvalidArgumentError(
+                "the weights and outputs look swapped: weights "
+                f"{self.weights} holds values computed by the model and outputs {self.outputs} holds "
+                "initializers. gradbuilder takes (model, weights, outputs, loss), onnxruntime-training "
+                f"(model, outputs, weights, loss); use the keyword form: {KEYWORD_FORM}"
+            )
+        if not self.weights:
+            raise InvalidArgumentError("weights is empty: name at least one initializer or graph input")
+        if len(set(self.weights)) != len(self.weights):
+            raise InvalidArgumentError(f"weights lists a name twice: {self.weights}")
+        self._names_exist(self.weights, values, "weights")
+        self._names_exist(self.outputs, values, "outputs")
+        self._names_exist([self.loss], values, "loss")
+        weights = []
+        for name in self.weights:
+            v = values[name]
+            if name in produced:
+                raise InvalidArgumentError(
+                    f"weight '{name}' is computed by node '{v.producer().name}' "
+                    f"({v.producer().op_type}); weights must be initializers or graph inputs"
+                )
+            if v.dtype not in FLOAT_TYPES:
+                raise InvalidArgumentError(
+                    f"weight '{name}' has type {v.dtype.name if v.dtype else 'unknown'}; only float16, "
+                    "bfloat16, float32 and float64 tensors can be differentiated"
+                )
+            weights.append(v)
+        loss = values[self.loss]
+        if loss.dtype not in FLOAT_TYPES:
+            raise InvalidArgumentError(
+                f"loss '{self.loss}' has type {loss.dtype.name if loss.dtype else 'unknown'}; the loss "
+                "must be a float scalar"
+            )
+        dims = dims_of(loss)
+        if dims is None or any(d != 1 for d in dims):
+            raise InvalidArgumentError(
+                f"loss '{self.loss}' has shape {list(dims) if dims is not None else 'unknown'}; the loss "
+                "must be a scalar (shape [] or all ones). Reduce it first, e.g. with ReduceMean"
+            )
+        outputs = [values[n] for n in self.outputs]
+        return weights, outputs, loss
+
+    # ----------------------------------------------------------------------------- results
+    def _built(self) -> modelio.DetachedModel:
+        if self._result is None:
+            raise OutputError("call build() first")
+        return self._result
+
+    @property
+    def model_proto(self) -> onnx.ModelProto:
+        """The built model as a ModelProto (a fresh copy each time)."""
+        return self._built().to_proto()
+
+    def get_model(self) -> bytes:
+        """The built model, serialized."""
+        return self._built().to_bytes()
+
+    def get_graph(self):
+        """The built model as an ``onnx_graphsurgeon.Graph`` (``gs.import_onnx``), for editing
+        with onnx-graphsurgeon (``pip install gradbuilder[graphsurgeon]``)."""
+        try:
+            import onnx_graphsurgeon as gs
+        except ImportError as exc:
+            raise compat.MissingDependencyError(
+                "get_graph() needs onnx-graphsurgeon, which is not installed: pip install "
+                "'gradbuilder[graphsurgeon]' (or pip install onnx-graphsurgeon)") from exc
+        return gs.import_onnx(self.model_proto)
+
+    def save(self, path: str | os.PathLike, external_data: bool | None = None) -> str:
+        """Write the built model atomically; tensors go to ``<path>.data`` over 2 GB."""
+        self._built().save(path, external_data)
+        return str(path)
+
+
+def _require_ranks(inputs, outputs) -> None:
+    """onnx.checker requires a shape (at least a rank) on every graph input and output, and the
+    written model must pass it: name the first tensor that has none and say what to declare."""
+    for v in inputs:
+        if isinstance(v.type, ir.TensorType) and v.shape is None:
+            raise InvalidModelError(
+                f"graph input '{v.name}' declares no shape, not even a rank; onnx.checker requires one on every "
+                "graph input and the written model must pass it. Declare its shape, with symbolic names "
+                "(e.g. 'batch') or unnamed dims for sizes that vary"
+            )
+    for v in outputs:
+        if isinstance(v.type, ir.TensorType) and v.shape is None:
+            producer = v.producer()
+            origin = ""
+            if producer is not None and producer.name:
+                origin = f" (computed by {producer.op_type} node '{producer.name}')"
+            elif producer is not None:
+                origin = f" (computed by an unnamed {producer.op_type} node)"
+            raise InvalidModelError(
+                f"output '{v.name}'{origin} has a rank onnx shape inference could not find; onnx.checker "
+                "requires a shape on every graph output and the written model must pass it. Declare its shape "
+                "(at least its rank) with a value_info entry, or leave it out of outputs"
+            )
+
+
+def _drop_inner_types(graph: ir.Graph) -> None:
+    """Forget the types and shapes of intermediate values so no value_info is written: the
+    runtime infers them again, and the model is smaller and faster to serialize."""
+    for node in graph:
+        for v in node.outputs:
+            if not v.is_graph_output():
+                v.type = None
+                v.shape = None
+
+
+def float_initializers(model, base_dir=None) -> list[str]:
+    """Names of the float initializers of ``model`` (the default set of weights)."""
+    proto = modelio.read_proto(model, base_dir)
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    return [t.name for t in proto.graph.initializer if t.data_type in floats]

@@ -1,0 +1,517 @@
+"""Reading models in (bytes, path, ModelProto) and writing them out atomically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnx.inliner
+import onnx.version_converter
+import onnx_ir as ir
+
+from .. import files
+from ..errors import InvalidModelError, ModelLoadError, OutputError
+
+MIN_OPSET = 13
+TWO_GB = 2**31
+
+
+def load_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelProto:
+    """A private copy of ``model`` as a ModelProto; the caller's object is never touched.
+
+    ``model`` is bytes, a path, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``.
+    Tensors kept in external data files are read from ``base_dir`` (default: the folder of
+    the model's path; bytes and protos have none, so they need it).
+    """
+    model = _from_graphsurgeon(model)
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+        origin = "the model (a ModelProto)"
+    elif isinstance(model, (bytes, bytearray, memoryview)):
+        proto = onnx.ModelProto()
+        try:
+            proto.ParseFromString(bytes(model))
+        except Exception as exc:
+            raise ModelLoadError(f"the bytes given are not a serialized ONNX ModelProto: {exc}") from exc
+        if not proto.graph.node and not proto.graph.input and not proto.opset_import:
+            raise ModelLoadError("the bytes given parse to an empty ONNX model (no graph, no opset)")
+        origin = "the model (bytes)"
+    elif isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        files.check_input_file(path, ModelLoadError, "model file")  # not found, or a directory
+        try:
+            proto = onnx.load(str(path), load_external_data=base_dir is None)
+        except Exception as exc:
+            raise ModelLoadError(f"could not read ONNX model '{path}': {exc}") from exc
+        origin = f"model '{path}'"
+    else:
+        raise ModelLoadError(
+            f"model must be bytes, a path or an onnx.ModelProto (or an onnx_graphsurgeon.Graph), not {type(model).__name__}"
+        )
+    if proto.ir_version > onnx.IR_VERSION:
+        raise ModelLoadError(
+            f"{origin} has ONNX IR version {proto.ir_version}; the installed onnx {onnx.__version__} reads IR versions "
+            f"up to {onnx.IR_VERSION}: it was written by a newer ONNX (or is damaged). Upgrade onnx, or save the "
+            "model again with an ONNX release that reads it"
+        )
+    _load_external_data(proto, base_dir, origin)
+    return proto
+
+
+def _from_graphsurgeon(model):
+    """An ``onnx_graphsurgeon.Graph`` as a ModelProto (``gs.export_onnx``); anything else as is."""
+    if not type(model).__module__.startswith("onnx_graphsurgeon"):
+        return model
+    import onnx_graphsurgeon as gs
+
+    if not isinstance(model, gs.Graph):
+        raise ModelLoadError(f"model must be an onnx_graphsurgeon.Graph, not {type(model).__name__}")
+    try:
+        return gs.export_onnx(model)
+    except Exception as exc:
+        raise ModelLoadError(f"onnx_graphsurgeon could not export the graph '{model.name}': {exc}") from exc
+
+
+def _load_external_data(proto: onnx.ModelProto, base_dir, origin: str) -> None:
+    """Read the tensors ``proto`` keeps in external data files from ``base_dir``, or say that
+    nothing locates them."""
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    external = [t for t in _get_all_tensors(proto) if uses_external_data(t)]
+    if not external:
+        return
+    location = ExternalDataInfo(external[0]).location
+    more = f" and {len(external) - 1} more" if len(external) > 1 else ""
+    if base_dir is None:
+        raise ModelLoadError(
+            f"{origin} keeps tensor '{external[0].name}'{more} in the external data file "
+            f"'{location}', which nothing locates for bytes or a ModelProto; pass base_dir= the folder holding "
+            f"'{location}', or pass the model's path"
+        )
+    if not Path(base_dir).is_dir():
+        raise ModelLoadError(f"base_dir '{base_dir}' is not a folder (it should hold '{location}')")
+    try:
+        onnx.load_external_data_for_model(proto, str(base_dir))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"could not read the external data of {origin} ('{location}', tensor '{external[0].name}') from "
+            f"base_dir '{base_dir}': {exc}"
+        ) from exc
+
+
+def read_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelProto:
+    """``model`` as a ModelProto to read, never to change: the caller's ModelProto itself (no
+    copy), else loaded as :func:`load_proto` does."""
+    return model if isinstance(model, onnx.ModelProto) else load_proto(model, base_dir)
+
+
+def weights_as_inputs(proto: onnx.ModelProto, weights) -> None:
+    """Make every weight of ``proto`` (in place) a graph input without an initializer: a
+    session feeds them, and neither the model nor onnxruntime keeps a copy. The other
+    initializers (frozen parameters, constants) are constants only, never graph inputs: the
+    session does not feed them, and onnxruntime would warn about each one that is both."""
+    names = set(weights)
+    have = {i.name for i in proto.graph.input}
+    kept = []
+    for t in proto.graph.initializer:
+        if t.name not in names:
+            kept.append(t)
+        elif t.name not in have:
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    if len(kept) != len(proto.graph.initializer):
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(kept)
+    constants = {t.name for t in kept}
+    inputs = [i for i in proto.graph.input if i.name not in constants]
+    if len(inputs) != len(proto.graph.input):
+        del proto.graph.input[:]
+        proto.graph.input.extend(inputs)
+        proto.ir_version = max(proto.ir_version, 4)  # IR 3 required initializers to be inputs
+
+
+def default_opset(proto: onnx.ModelProto) -> int:
+    for imp in proto.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return imp.version
+    raise InvalidModelError("the model imports no ai.onnx opset; add one to opset_import")
+
+
+def add_default_opset(proto: onnx.ModelProto) -> None:
+    """A model made only of other domains' ops (ai.onnx.ml) gets the ai.onnx opset released
+    with its ai.onnx.ml version, for the standard ops of the backward graph."""
+    if any(imp.domain in ("", "ai.onnx") for imp in proto.opset_import):
+        return
+    ml = next((imp.version for imp in proto.opset_import if imp.domain == "ai.onnx.ml"), None)
+    rows = [row for row in onnx.helper.VERSION_TABLE if ml is None or row[3] == ml]
+    version = max(MIN_OPSET, min(row[2] for row in rows) if ml is not None and rows else MIN_OPSET)
+    proto.opset_import.append(onnx.helper.make_opsetid("", version))
+    ir_version = min(row[1] for row in onnx.helper.VERSION_TABLE if row[2] >= version)
+    proto.ir_version = max(proto.ir_version, ir_version)
+
+
+def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Upgrade old opsets, inline local functions and run strict type/shape inference."""
+    add_default_opset(proto)
+    opset = default_opset(proto)
+    max_opset = onnx.defs.onnx_opset_version()
+    if opset > max_opset:
+        raise ModelLoadError(
+            f"the model uses ai.onnx opset {opset}, newer than this onnx package supports "
+            f"({max_opset}); upgrade onnx"
+        )
+    if opset < MIN_OPSET:
+        try:
+            proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"the model uses ai.onnx opset {opset}; gradbuilder supports {MIN_OPSET} and newer and "
+                f"onnx's version converter could not upgrade it: {exc}. Re-export the model at "
+                f"opset {MIN_OPSET} or newer."
+            ) from exc
+    if proto.functions:
+        proto = onnx.inliner.inline_local_functions(proto)
+    _fill_default_axes(proto.graph)
+    try:
+        infer_types(proto)
+    except Exception as exc:
+        raise InvalidModelError(f"the model does not type-check (onnx shape inference): {exc}") from exc
+    return proto
+
+
+def _fill_default_axes(graph: onnx.GraphProto) -> None:
+    """Spell out MeanVarianceNormalization's default axes: onnx's strict inference fails in
+    the op's function body without them."""
+    for node in graph.node:
+        if node.op_type == "MeanVarianceNormalization" and node.domain in ("", "ai.onnx") \
+                and not any(a.name == "axes" for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("axes", [0, 2, 3]))
+
+
+def infer_types(proto: onnx.ModelProto) -> None:
+    """Strict type and shape inference, in place (run on the weight-free skeleton).
+
+    Data propagation (shapes computed by Shape/Gather/Concat/... at run time) finds more
+    ranks and sizes, but onnx's propagation also fails on some valid models (Unsqueeze of a
+    1-D float tensor followed by an elementwise op: it takes the tensor's dims for shape
+    data); a model that type-checks without it is then inferred without it.
+    """
+    if _untyped_loop_bodies(proto.graph):  # a first pass gives the types their inputs imply
+        _type_loop_bodies(proto.graph, onnx.shape_inference.infer_shapes(proto).graph)
+    _rank_loop_bodies(proto)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError:
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    _take_types(proto.graph, inferred.graph)
+
+
+_LOOPS = ("Loop", "Scan")
+
+
+def _subgraphs(node: onnx.NodeProto):
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def _loop_nodes(graph: onnx.GraphProto):
+    """(graph, node) for the Loop and Scan nodes of ``graph`` and of its subgraphs."""
+    for node in graph.node:
+        if node.op_type in _LOOPS and node.domain in ("", "ai.onnx"):
+            yield graph, node
+        for g in _subgraphs(node):
+            yield from _loop_nodes(g)
+
+
+def _all_types(graph: onnx.GraphProto, types: dict | None = None) -> dict[str, onnx.TypeProto]:
+    """Value name -> type, over ``graph`` and its subgraphs (names are unique in a model)."""
+    types = {} if types is None else types
+    for t in graph.initializer:
+        types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
+    for v in list(graph.input) + list(graph.value_info) + list(graph.output):
+        types[v.name] = v.type
+    for node in graph.node:
+        for g in _subgraphs(node):
+            _all_types(g, types)
+    return types
+
+
+def _rank_of(t: onnx.TypeProto | None) -> int | None:
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return None
+    return len(t.tensor_type.shape.dim)
+
+
+def _loop_body_pairs(node: onnx.NodeProto):
+    """(body input, outer value it starts from, rank offset, body output that carries it on or
+    None, node output of its final value or None) for the tensors a Loop or Scan body
+    receives from outside."""
+    body = next(a.g for a in node.attribute if a.name == "body")
+    if node.op_type == "Loop":
+        for k, value in enumerate(body.input[2:]):
+            if 2 + k < len(node.input) and node.input[2 + k] and 1 + k < len(body.output):
+                final = node.output[k] if k < len(node.output) else None
+                yield value, node.input[2 + k], 0, body.output[1 + k].name, final
+        return
+    m = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+    n_states = len(node.input) - m
+    for k, value in enumerate(body.input[:n_states]):
+        final = node.output[k] if k < len(node.output) else None
+        yield value, node.input[k], 0, body.output[k].name if k < len(body.output) else None, final
+    for j, value in enumerate(body.input[n_states:]):
+        yield value, node.input[n_states + j], -1, None, None  # one slice along the scanned axis
+
+
+def _rank_loop_bodies(proto: onnx.ModelProto) -> None:
+    """Declare the rank (not the sizes) of Loop and Scan body inputs that have a tensor type
+    but no shape, so shape inference reaches inside the body (onnx does not pass the shapes
+    of loop-carried values on), and of the loop's final values. A carried value keeps the
+    rank of its initial value only if the body gives it back with that rank: each assumption
+    is checked by inferring with it, and dropped when the body's output disagrees. Each pass
+    reaches one more level of nested or chained loops."""
+    refused: set[str] = set()
+    for _ in range(4):
+        if not any(v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
+                   and v.name not in refused
+                   for _, node in _loop_nodes(proto.graph) for v, *_ in _loop_body_pairs(node)):
+            return  # (no inference pass for models without such loops)
+        types = _all_types(onnx.shape_inference.infer_shapes(proto).graph)
+        assumed = []
+        for graph, node in _loop_nodes(proto.graph):
+            for value, outer, offset, carried_out, final in _loop_body_pairs(node):
+                tt = value.type.tensor_type
+                rank = _rank_of(types.get(outer))
+                if (not value.type.HasField("tensor_type") or tt.HasField("shape") or value.name in refused
+                        or rank is None or rank + offset < 0):
+                    continue
+                _set_rank(tt, rank + offset)
+                assumed.append((graph, value, carried_out, final, rank + offset))
+        if not assumed:
+            return
+        checked = _all_types(onnx.shape_inference.infer_shapes(proto).graph)
+        for graph, value, carried_out, final, rank in assumed:
+            if carried_out is not None and _rank_of(checked.get(carried_out)) != rank:
+                value.type.tensor_type.ClearField("shape")
+                refused.add(value.name)
+            elif final and _rank_of(checked.get(final)) is None and not any(o.name == final for o in graph.output):
+                info = graph.value_info.add()
+                info.name = final
+                info.type.tensor_type.elem_type = value.type.tensor_type.elem_type
+                _set_rank(info.type.tensor_type, rank)
+
+
+def _set_rank(tt: onnx.TypeProto.Tensor, rank: int) -> None:
+    """A shape of ``rank`` axes of unknown size."""
+    tt.shape.SetInParent()
+    for _ in range(rank):
+        tt.shape.dim.add()
+
+
+def _untyped_loop_bodies(graph: onnx.GraphProto) -> bool:
+    return any(node.op_type in ("Loop", "Scan") and node.domain in ("", "ai.onnx")
+               and any(not i.type.WhichOneof("value") for a in node.attribute if a.name == "body" for i in a.g.input)
+               for node in graph.node)
+
+
+def _type_loop_bodies(graph: onnx.GraphProto, inferred: onnx.GraphProto) -> None:
+    """Give untyped Loop/Scan body inputs (as in some ONNX function bodies) the types the
+    node's inputs imply, so shape inference can reach inside the body."""
+    types = {v.name: v.type for v in list(inferred.input) + list(inferred.value_info) + list(inferred.output)}
+    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
+    for node in graph.node:
+        if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        if all(i.type.WhichOneof("value") for i in body.input):
+            continue
+        scan_inputs = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+        axes = next((list(a.ints) for a in node.attribute if a.name == "scan_input_axes"), [0] * scan_inputs)
+        if node.op_type == "Loop":
+            sources = [onnx.helper.make_tensor_type_proto(onnx.TensorProto.INT64, []),
+                       onnx.helper.make_tensor_type_proto(onnx.TensorProto.BOOL, [])]
+            sources += [types.get(name) for name in node.input[2:]]
+        else:
+            n_states = len(node.input) - scan_inputs
+            sources = [types.get(name) for name in node.input[:n_states]]
+            for name, axis in zip(node.input[n_states:], axes):
+                t = types.get(name)
+                if t is not None and t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
+                    t = onnx.TypeProto.FromString(t.SerializeToString())
+                    dims = t.tensor_type.shape.dim
+                    del dims[axis % len(dims)]
+                sources.append(t)
+        for value, source in zip(body.input, sources):
+            if not value.type.WhichOneof("value") and source is not None:
+                value.type.CopyFrom(source)
+
+
+def _take_types(ours: onnx.GraphProto, theirs: onnx.GraphProto) -> None:
+    """Copy the inferred value types of ``theirs`` (same nodes) into ``ours``, subgraphs too."""
+    del ours.value_info[:]
+    ours.value_info.extend(theirs.value_info)
+    for mine, inferred in zip(ours.output, theirs.output):
+        mine.CopyFrom(inferred)
+    for node, inferred_node in zip(ours.node, theirs.node):
+        for a, b in zip(node.attribute, inferred_node.attribute):
+            if a.type == onnx.AttributeProto.GRAPH:
+                _take_types(a.g, b.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g, h in zip(a.graphs, b.graphs):
+                    _take_types(g, h)
+
+
+def to_ir(proto: onnx.ModelProto) -> ir.Model:
+    try:
+        return ir.from_proto(proto)
+    except Exception as exc:
+        raise InvalidModelError(f"the model could not be converted to the IR: {exc}") from exc
+
+
+DETACH_BYTES = 1024
+
+
+def load_detached(model, base_dir=None) -> tuple[onnx.ModelProto, dict[str, bytes]]:
+    """The model as a weight-free skeleton proto, and the raw bytes of its large initializers.
+
+    The whole pipeline (inference, IR, backward graph, output proto, checker) runs on the
+    skeleton, whose types and shapes are all still there; :func:`attach_weights` puts the
+    bytes back into the output. So no copy of the weights is made along the way, and the
+    skeleton is re-parsed so the memory the full proto held is returned at once.
+    """
+    proto = load_proto(model, base_dir)
+    stash = {}
+    for t in proto.graph.initializer:
+        if len(t.raw_data) >= DETACH_BYTES:
+            stash[t.name] = t.raw_data
+            t.ClearField("raw_data")
+    if not stash:
+        return proto, stash
+    skeleton = onnx.ModelProto.FromString(proto.SerializeToString())
+    return skeleton, stash
+
+
+class DetachedModel:
+    """A model held as a weight-free skeleton proto plus the raw bytes of its large tensors.
+
+    Written out without ever assembling the full proto: the skeleton (large initializers
+    left out) is serialized first, then one ``ModelProto{graph{initializer}}`` record per
+    large tensor. Protobuf parsers merge repeated occurrences of a message field, so the
+    result parses to the same model, and memory stays at one copy of the weights.
+    """
+
+    def __init__(self, skeleton: onnx.ModelProto, weights: dict[str, bytes]):
+        self.skeleton = skeleton
+        self.weights = weights
+
+    def byte_size(self) -> int:
+        return self.skeleton.ByteSize() + sum(len(b) + 64 for b in self.weights.values())
+
+    def _split(self):
+        """(skeleton without the detached initializers, [their metadata tensors])."""
+        head = onnx.ModelProto()
+        head.CopyFrom(self.skeleton)
+        big = [t for t in head.graph.initializer if t.name in self.weights]
+        small = [t for t in head.graph.initializer if t.name not in self.weights]
+        big = [_copy(t) for t in big]
+        del head.graph.initializer[:]
+        head.graph.initializer.extend(small)
+        return head, big
+
+    def _chunks(self):
+        head, big = self._split()
+        yield head.SerializeToString()
+        for meta in big:
+            t = _copy(meta)
+            t.raw_data = self.weights[meta.name]
+            record = onnx.ModelProto()
+            record.graph.initializer.append(t)
+            del t
+            yield record.SerializeToString()
+
+    def to_bytes(self) -> bytes:
+        if self.byte_size() >= TWO_GB:
+            raise OutputError("the model is over 2 GB and cannot be one byte string; use save(path)")
+        return b"".join(self._chunks())
+
+    def to_proto(self) -> onnx.ModelProto:
+        full = onnx.ModelProto()
+        full.CopyFrom(self.skeleton)
+        for t in full.graph.initializer:
+            raw = self.weights.get(t.name)
+            if raw is not None:
+                t.raw_data = raw
+        return full
+
+    def check(self) -> None:
+        """onnx.checker with full_check; detached initializers are checked as typed inputs."""
+        head, big = self._split()
+        # Runtimes define some ops in the ai.onnx domain that onnx has no schema for
+        # (onnxruntime's SimplifiedLayerNormalization): check those as custom-domain nodes.
+        unknown = [n for n in head.graph.node if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)]
+        for n in unknown:
+            n.domain = "gradbuilder.unchecked"
+        if unknown:
+            head.opset_import.append(onnx.helper.make_opsetid("gradbuilder.unchecked", 1))
+        inputs = {i.name for i in head.graph.input}
+        for t in big:
+            if t.name not in inputs:
+                head.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        try:
+            onnx.checker.check_model(head, full_check=True)
+        except Exception as exc:
+            raise OutputError(f"the generated model failed onnx.checker: {exc}") from exc
+
+    def uses_external_data(self, external_data: bool | None = None) -> bool:
+        """Whether ``save`` keeps the large tensors in a ``.data`` file: asked for, or over 2 GB."""
+        use = external_data if external_data is not None else self.byte_size() >= TWO_GB - 2**24
+        return bool(use and self.weights)
+
+    def write(self, model_file, data_file=None, data_name: str | None = None) -> None:
+        """Write the model into ``model_file`` and, given ``data_file``, its large tensors
+        into that as onnx's external data, recorded as ``data_name`` (the data file's final
+        name beside the model). Not atomic by itself: ``save`` writes temporary files with it."""
+        if data_file is None:
+            with open(model_file, "wb") as f:
+                for chunk in self._chunks():
+                    f.write(chunk)
+            return
+        head, big = self._split()
+        with open(data_file, "wb") as data:
+            for meta in big:
+                offset = data.tell()
+                data.write(self.weights[meta.name])
+                meta.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", data_name), ("offset", str(offset)),
+                                   ("length", str(len(self.weights[meta.name])))):
+                    entry = meta.external_data.add()
+                    entry.key, entry.value = key, value
+        head.graph.initializer.extend(big)
+        with open(model_file, "wb") as f:
+            f.write(head.SerializeToString())
+
+    def save(self, path: str | os.PathLike, external_data: bool | None = None) -> None:
+        """Write to ``path`` atomically (``files.atomic_write``): nothing appears there unless
+        the whole write succeeds, and no temporary file stays behind.
+
+        Models over 2 GB (or with ``external_data=True``) keep their large tensors in
+        ``<name>.data`` beside the model, as onnx's external data. A path that cannot be
+        written raises OutputError naming it before anything is serialized.
+        """
+        path = files.check_output_path(path, OutputError, "output model")
+        if not self.uses_external_data(external_data):
+            with files.atomic_write(path, what="output model") as (tmp,):
+                self.write(tmp)
+            return
+        data_path = path.with_name(path.name + ".data")
+        with files.atomic_write(data_path, path, what="output model") as (tmp_data, tmp_model):
+            self.write(tmp_model, tmp_data, data_path.name)
+
+
+def _copy(t: onnx.TensorProto) -> onnx.TensorProto:
+    out = onnx.TensorProto()
+    out.CopyFrom(t)
+    return out

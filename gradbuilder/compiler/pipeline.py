@@ -1,0 +1,205 @@
+"""The pipeline: how a forward model becomes a differentiated graph, in one place.
+
+    source ──load──▶ ModelProto ──normalize, expand_functions──▶ onnx_ir.Model
+           ──PREPARE (one list of passes)──▶ walk (autodiff) ──name_gradients──▶ FINISH
+
+``GradientGraphBuilder`` (and so the training graphs and the session's graphs) and
+``build_split`` (ORTModule) all run it; they differ only in what they differentiate (the
+loss, or the model's outputs with gradients given at run time) and in what they append.
+
+Every pass has one shape: a function ``fn(model, ctx)`` over the ``onnx_ir`` model, run as an
+``onnx_ir.passes.InPlacePass`` (:class:`Pass`); ``ctx`` (:class:`Context`) carries the names
+in use (the emitter), the values differentiated and the options that decide what a pass
+does. A pass that does not apply returns at once. To add a pass: write the function in
+``compiler/passes/`` and put it in PREPARE (before differentiation) or FINISH (after).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from typing import Callable
+
+import onnx_ir as ir
+
+from .. import compat
+from ..errors import InvalidArgumentError
+from . import modelio
+from .passes.canonicalize import (
+    fold_shape_computations,
+    indexed_max_as_gather,
+    sequence_appends_as_scan_outputs,
+    split_to_sequence_as_split,
+)
+from .passes.cleanup import remove_unused_nodes
+from .passes.expand_functions import expand_functions
+from .passes.expose_masks import expose_dropout_masks
+from .passes.mixed_precision import autocast
+from .passes.recompute import apply_recompute
+from .passes.running_stats import expose_running_statistics, restore_training_mode
+from .passes.store_trips import store_loop_trips
+from .passes.vector_products import vector_products_without_transpose
+from ..interface import GRADIENT
+from .registry import Emitter
+
+
+@dataclasses.dataclass
+class Context:
+    """What the passes share and read: names, the values differentiated, options; and what
+    they leave for the builder (running statistics, reports)."""
+
+    emitter: Emitter  # the model's names and opset; every new name is taken through it
+    wrt: list[ir.Value] = dataclasses.field(default_factory=list)  # the values differentiated with respect to
+    running_statistics: bool = False  # expose BatchNormalization's running statistics as buffers
+    unbiased_variance: bool = False  # the running variance with the batch's unbiased variance (PyTorch)
+    mixed_precision: str | None = None  # "float16" / "bfloat16": autocast
+    cast_propagation: tuple[int, list[str]] = (1, [])
+    recompute: object | None = None  # passes.recompute.RecomputeOptions
+    forward: list[ir.Node] = dataclasses.field(default_factory=list)  # the forward nodes (set before the walk)
+    buffers: list[tuple[ir.Value, ir.Value]] = dataclasses.field(default_factory=list)  # (statistic, new value)
+    reports: dict[str, object] = dataclasses.field(default_factory=dict)  # pass name -> what it reports
+
+    @classmethod
+    def of(cls, model: ir.Model, **options) -> "Context":
+        """A context for ``model`` (an emitter over its main graph at its ai.onnx opset)."""
+        return cls(Emitter(model.graph, opset_of(model)), **options)
+
+    @property
+    def opset(self) -> int:
+        return self.emitter.opset
+
+    def unique(self, hint: str) -> str:
+        return self.emitter.unique(hint)
+
+
+class Pass(ir.passes.InPlacePass):
+    """One step of the pipeline: ``fn(model, ctx)`` as an onnx_ir in-place pass."""
+
+    def __init__(self, fn: Callable[[ir.Model, Context], object], ctx: Context):
+        super().__init__()
+        self.fn, self.ctx = fn, ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.fn(model, self.ctx)
+        return ir.passes.PassResult(model, modified=True)
+
+
+# Before differentiation, in this order. The sequence rewrites run before the shape folder
+# (below opset 18 the folder writes a Split the checker refuses); the running statistics are
+# exposed after the dropout masks and before the rewrites that read the final forward.
+PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
+    split_to_sequence_as_split,
+    sequence_appends_as_scan_outputs,
+    fold_shape_computations,
+    indexed_max_as_gather,
+    restore_training_mode,
+    expose_dropout_masks,
+    expose_running_statistics,
+    vector_products_without_transpose,
+    store_loop_trips,
+    autocast,
+)
+
+# After the backward nodes and the graph's outputs are in place.
+FINISH: tuple[Callable[[ir.Model, Context], object], ...] = (
+    apply_recompute,
+    remove_unused_nodes,
+)
+
+
+def run(passes, model: ir.Model, ctx: Context) -> None:
+    """Run ``passes`` (PREPARE or FINISH) over ``model``, in order."""
+    ir.passes.Sequential(*(Pass(fn, ctx) for fn in passes))(model)
+
+
+def opset_of(model: ir.Model) -> int:
+    return model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx")
+
+
+def load(proto, wrt: list[str], quiet: bool = False) -> ir.Model:
+    """A loaded model (``modelio.load_detached``) as an onnx_ir model ready for PREPARE:
+    normalized (opset, local functions, types), stamped with an IR version the installed
+    onnxruntime reads, and with the rule-less function ops on ``wrt``'s paths expanded.
+    ``quiet`` leaves out the warnings about the model (a session that said them already)."""
+    compat.check_opset(proto, quiet=quiet)
+    proto = modelio.normalize(proto)
+    compat.fit_ir_version(proto, quiet=quiet)
+    if expand_functions(proto, wrt, modelio.default_opset(proto)):
+        modelio.infer_types(proto)
+    return modelio.to_ir(proto)
+
+
+def values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """Every named value of the main graph: inputs, initializers, node outputs."""
+    values: dict[str, ir.Value] = {}
+    for v in graph.inputs:
+        values[v.name] = v
+    for name, v in graph.initializers.items():
+        values[name] = v
+    for node in graph:
+        for o in node.outputs:
+            if o.name:
+                values[o.name] = o
+    return values
+
+
+def name_gradients(e: Emitter, weights: list[ir.Value], grads: dict[str, ir.Value],
+                   suffix: str = GRADIENT) -> list[ir.Value]:
+    """Give each weight's gradient the output name ``<weight><suffix>`` (``W_grad``), typed
+    like the weight; returns the gradient outputs in ``weights``' order."""
+    ours = {id(n) for n in e.nodes}
+    taken: set[ir.Value] = set()
+    outputs = []
+    existing = values_by_name(e.graph)
+    for w in weights:
+        g = grads[w.name]
+        name = f"{w.name}{suffix}"
+        clash = existing.get(name)
+        if clash is not None and clash is not g:
+            if clash.producer() is not None and id(clash.producer()) in ours:
+                clash.name = e.unique(name + "_part")
+            else:
+                raise InvalidArgumentError(
+                    f"the model already has a value named '{name}', the name of weight '{w.name}'s "
+                    "gradient output; rename that value or pass another gradient_suffix (e.g. "
+                    "'_grad2' when differentiating a gradient graph again)"
+                )
+        producer = g.producer()
+        own = producer is not None and id(producer) in ours and producer.op_type != "Constant"
+        if not own or g in taken or g.is_graph_output():
+            g = e.op("Identity", g)
+        g.name = name
+        e.reserve(name)
+        g.dtype = w.dtype
+        g.shape = ir.Shape(list(w.shape)) if w.shape is not None else None
+        taken.add(g)
+        outputs.append(g)
+    return outputs
+
+
+# A model of this many nodes or more is freed by a full collection right after its build: the
+# IR is cyclic (values and nodes point at each other), so only the cyclic collector frees it,
+# and left to the generational schedule a large model's IR stays in memory through the next
+# steps. Below it the collection costs more than the memory it returns (tools/bench_build.py).
+RELEASE_NODES = 2000
+
+
+@contextlib.contextmanager
+def cyclic_collection_paused():
+    """No cyclic garbage collection during a build: the IR makes millions of small objects,
+    and the collector's repeated scans over them would cost more than the build itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def release(nodes: int) -> None:
+    """After a build of ``nodes`` nodes whose IR the caller no longer holds: free it now when
+    it is large (see RELEASE_NODES)."""
+    if nodes >= RELEASE_NODES:
+        gc.collect()

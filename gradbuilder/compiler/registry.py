@@ -1,0 +1,630 @@
+"""Gradient-rule registry and the opset-aware emitter that rules write nodes with.
+
+A rule is registered for ``(domain, op_type)`` and has the signature::
+
+    rule(node, dys, needs, e) -> sequence of (ir.Value | None), one per node input
+
+``node`` is the forward ``onnx_ir.Node``; ``dys`` the gradients of its outputs (None where
+no gradient flows); ``needs[i]`` tells whether input ``i`` needs a gradient; ``e`` is an
+:class:`Emitter` bound to the model's opset. Rules never walk the graph and never edit
+forward nodes: they only emit new nodes through ``e``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import pkgutil
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import GradientRuleError
+
+Rule = Callable[..., Sequence["ir.Value | None"]]
+
+FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+)
+
+# Node metadata a pass leaves for a rule: the indices of the body inputs a Loop stores per
+# trip (``passes.store_trips``), read by the Loop rule.
+TRIPS = "gradbuilder.trips"
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleEntry:
+    domain: str
+    op_type: str
+    fn: Rule
+    since: int
+    doc: str
+
+
+_RULES: dict[tuple[str, str], list[RuleEntry]] = {}
+_LOADED = False
+
+
+def _norm_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def register(op_type: str | Iterable[str], domain: str = "", since: int = 1):
+    """Decorator: register ``fn`` as the gradient rule of ``op_type`` in ``domain``.
+
+    ``since`` is the first opset the rule applies to; a later registration for a higher
+    ``since`` takes over from that opset on.
+    """
+    names = [op_type] if isinstance(op_type, str) else list(op_type)
+
+    def deco(fn: Rule) -> Rule:
+        for name in names:
+            entry = RuleEntry(_norm_domain(domain), name, fn, since, (fn.__doc__ or "").strip())
+            entries = _RULES.setdefault((entry.domain, name), [])
+            entries[:] = [x for x in entries if x.since != since] + [entry]
+            entries.sort(key=lambda x: x.since)
+        return fn
+
+    return deco
+
+
+_STOP_EDGES: dict[tuple[str, str], frozenset[int]] = {}
+
+
+def register_stop_gradient_edges(edges, op_type: str, domain: str = "") -> None:
+    """Declare inputs (by index) of ``op_type`` through which no gradient flows, for every
+    node of that type (like onnxruntime's ``register_custom_stop_gradient_edges``)."""
+    key = (_norm_domain(domain), op_type)
+    _STOP_EDGES[key] = _STOP_EDGES.get(key, frozenset()) | frozenset(int(i) for i in edges)
+
+
+def stop_gradient_edges(domain: str, op_type: str) -> frozenset[int]:
+    load_rules()  # the rule modules declare the built-in ones
+    return _STOP_EDGES.get((_norm_domain(domain), op_type), frozenset())
+
+
+def load_rules() -> None:
+    """Import every module of ``gradbuilder.rules`` so their rules register themselves."""
+    global _LOADED
+    if _LOADED:
+        return
+    rules = _rules_package()
+    for info in pkgutil.iter_modules(rules.__path__):
+        importlib.import_module(f"gradbuilder.rules.{info.name}")
+    _LOADED = True
+
+
+def _rules_package():
+    """``gradbuilder.rules``: installed inside the package by the wheel (setuptools'
+    ``package-dir``); in a source tree that is not installed, the top-level ``rules/`` folder
+    beside the package, mapped to that one name and nothing else."""
+    import sys
+
+    try:
+        return importlib.import_module("gradbuilder.rules")
+    except ModuleNotFoundError as exc:
+        if exc.name != "gradbuilder.rules":
+            raise
+    from pathlib import Path
+
+    import gradbuilder
+
+    folder = Path(gradbuilder.__file__).resolve().parent.parent / "rules"
+    spec = importlib.util.spec_from_file_location("gradbuilder.rules", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    if spec is None:
+        raise ModuleNotFoundError(f"gradbuilder.rules is not installed and {folder} has no rules package",
+                                  name="gradbuilder.rules")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    gradbuilder.rules = module
+    return module
+
+
+def lookup(domain: str, op_type: str, opset: int) -> RuleEntry | None:
+    load_rules()
+    entries = _RULES.get((_norm_domain(domain), op_type))
+    if not entries:
+        return None
+    chosen = None
+    for entry in entries:
+        if entry.since <= opset:
+            chosen = entry
+    return chosen
+
+
+def all_rules() -> list[RuleEntry]:
+    load_rules()
+    out = []
+    for entries in _RULES.values():
+        out.extend(entries)
+    return sorted(out, key=lambda r: (r.domain, r.op_type, r.since))
+
+
+# ----------------------------------------------------------------------------- attributes
+
+
+def attr(node: ir.Node, name: str, default=None):
+    """The Python value of attribute ``name`` of ``node`` (``default`` when absent)."""
+    a = node.attributes.get(name)
+    if a is None:
+        return default
+    if a.type == ir.AttributeType.TENSOR:
+        return a.value.numpy()
+    v = a.value
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def optional_input(node: ir.Node, i: int) -> ir.Value | None:
+    """Input ``i`` of ``node``, or None when it is absent (omitted or "")."""
+    return node.inputs[i] if len(node.inputs) > i else None
+
+
+def constant_of(value: ir.Value | None) -> np.ndarray | None:
+    """The numpy value of ``value`` when it is statically known (initializer or Constant)."""
+    if value is None or value.is_graph_input():
+        return None  # a graph input can be fed at run time, even with an initializer default
+    if value.const_value is not None:
+        try:
+            return value.const_value.numpy()
+        except Exception:  # external data that cannot be read
+            return None
+    prod = value.producer()
+    if prod is not None and prod.op_type == "Constant" and prod.domain in ("", "ai.onnx"):
+        for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+            a = prod.attributes.get(key)
+            if a is not None:
+                if key == "value":
+                    return a.value.numpy()
+                return np.array(a.value, dtype=np.float32 if "float" in key else np.int64)
+    return None
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def unknown_rank(value: ir.Value, op: str) -> GradientRuleError:
+    """The error of a rule that needs the rank of ``value``, which shape inference (with data
+    propagation) left unknown: it names the value, where it comes from, and what to declare."""
+    producer = value.producer()
+    if producer is not None:
+        origin = (f"computed by {producer.op_type} node '{producer.name}'" if producer.name
+                  else f"computed by an unnamed {producer.op_type} node")
+        fix = ("declare its shape (at least its rank) with a value_info entry, or give that node "
+               "what fixes its output's rank (Squeeze's axes, Reshape's shape as a constant)")
+    elif value.is_graph_input():
+        origin = "a graph input"
+        fix = "declare the input's shape, with symbolic names (e.g. 'batch') for sizes that vary"
+    else:
+        origin = "a value of an enclosing graph"
+        fix = "declare its shape (at least its rank) with a value_info entry"
+    return GradientRuleError(
+        f"the {op} gradient needs the rank of '{value.name}' ({origin}), which onnx shape inference "
+        f"could not find; {fix}"
+    )
+
+
+Dim = "int | str | None"
+
+
+def dims_of(value: ir.Value) -> tuple | None:
+    """Static dims of ``value``: ints, symbolic names (str) or None per dim; None if rank unknown."""
+    shape = value.shape
+    if shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else (d.value or None) for d in shape.dims)
+
+
+def _bcast_dim(a, b):
+    if a == 1:
+        return b
+    if b == 1:
+        return a
+    if a == b and a is not None:
+        return a
+    if isinstance(a, int) and not isinstance(b, int):
+        return a  # a is the real size (b must be a or 1)
+    if isinstance(b, int) and not isinstance(a, int):
+        return b
+    return None
+
+
+def broadcast_dims(*shapes) -> tuple | None:
+    if any(s is None for s in shapes):
+        return None
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        dim = 1
+        first = True
+        for s in shapes:
+            k = i - (rank - len(s))
+            if k < 0:
+                continue
+            dim = s[k] if first else _bcast_dim(dim, s[k])
+            first = False
+        out.append(dim)
+    return tuple(out)
+
+
+def _to_ir_shape(dims) -> ir.Shape | None:
+    if dims is None:
+        return None
+    return ir.Shape([d if d is not None else None for d in dims])
+
+
+_ELEMENTWISE_BINARY = frozenset(
+    "Add Sub Mul Div Pow Max Min Sum Mean PRelu Mod BitShift".split()
+)
+_COMPARE = frozenset("Equal Less Greater LessOrEqual GreaterOrEqual And Or Xor".split())
+_UNARY_SAME = frozenset(
+    """Neg Exp Log Sqrt Reciprocal Tanh Sigmoid Relu Abs Identity Erf Sin Cos Tan Asin Acos
+    Atan Sinh Cosh Asinh Acosh Atanh Softmax LogSoftmax Sign Floor Ceil Round Softplus Softsign
+    Elu Selu LeakyRelu HardSigmoid HardSwish Gelu CumSum Clip Dropout Celu Mish ThresholdedRelu
+    Shrink Hardmax Trilu""".split()
+)
+
+_DATA_FIRST = frozenset(
+    """Concat Slice Split Gather GatherElements GatherND Tile Pad Flatten ScatterND ScatterElements
+    Conv ConvTranspose MaxPool AveragePool Gemm Einsum Col2Im Resize DepthToSpace SpaceToDepth
+    BatchNormalization LayerNormalization InstanceNormalization GroupNormalization""".split()
+)
+
+
+# ----------------------------------------------------------------------------- emitter
+
+
+class Emitter:
+    """Appends new nodes to a graph, with unique names and light type/shape propagation.
+
+    ``e.Mul(a, b)`` emits a ``Mul`` node and returns its output; ``e.op("Split", x,
+    outputs=2, axis=0)`` is the general form. Helpers hide opset differences
+    (``reduce``, ``squeeze``, ``unsqueeze``, ``split``) and reverse broadcasting
+    (``unbroadcast``).
+    """
+
+    def __init__(self, graph: ir.Graph, opset: int, used_names: set[str] | None = None):
+        self.graph = graph
+        self.opset = opset
+        self.scope = ""
+        self._used = used_names if used_names is not None else collect_names(graph)
+        self._counter = 0
+        self._consts: dict[tuple, ir.Value] = {}
+        self.nodes: list[ir.Node] = []
+
+    def child(self, graph: ir.Graph) -> "Emitter":
+        """An emitter for a subgraph (a control-flow body): names stay unique across scopes;
+        constants are the subgraph's own."""
+        sub = Emitter(graph, self.opset, self._used)
+        sub.scope = self.scope
+        return sub
+
+    # names ---------------------------------------------------------------------------
+    def unique(self, hint: str) -> str:
+        name = hint
+        while name in self._used:
+            self._counter += 1
+            name = f"{hint}__{self._counter}"
+        self._used.add(name)
+        return name
+
+    def reserve(self, *names: str) -> None:
+        """Mark ``names`` as taken (values named by hand, or by a pass outside the emitter)."""
+        self._used.update(names)
+
+    # nodes ---------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs, domain: str = "", outputs: int = 1, name: str | None = None, **attrs):
+        """Emit one node; returns its output value (or a tuple when ``outputs`` > 1)."""
+        ins = [self._as_value(x) for x in inputs]
+        attributes = [_attr(k, v) for k, v in attrs.items() if v is not None]
+        hint = f"{self.scope}{op_type}" if self.scope else op_type
+        node = ir.Node(
+            domain,
+            op_type,
+            ins,
+            attributes,
+            num_outputs=outputs,
+            name=self.unique(f"{hint}_node"),
+        )
+        for i, out in enumerate(node.outputs):
+            out.name = self.unique(name if (name and i == 0) else f"{hint}_out{i}" if outputs > 1 else f"{hint}_out")
+        self._infer(node)
+        self.graph.append(node)
+        self.nodes.append(node)
+        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
+
+    def __getattr__(self, op_type: str):
+        if op_type[:1].isupper():
+            return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
+        raise AttributeError(op_type)
+
+    def _as_value(self, x):
+        if x is None or isinstance(x, ir.Value):
+            return x
+        raise GradientRuleError(f"emitter input must be an ir.Value or None, got {type(x).__name__}")
+
+    def CastLike(self, x: ir.Value, like: ir.Value) -> ir.Value:  # noqa: N802 (ONNX op name)
+        """``x`` cast to ``like``'s dtype: Cast when the dtype is known (any opset), else CastLike."""
+        if like.dtype is not None:
+            if x.dtype == like.dtype:
+                return x
+            return self.op("Cast", x, to=int(like.dtype))
+        if self.opset < 15:
+            raise GradientRuleError("CastLike needs opset 15; the target dtype is unknown")
+        return self.op("CastLike", x, like)
+
+    # constants -------------------------------------------------------------------------
+    def const(self, array, dtype: ir.DataType | None = None) -> ir.Value:
+        """A constant (cached) from a numpy array or Python scalar/list."""
+        arr = np.asarray(array)
+        if dtype is not None:
+            arr = arr.astype(dtype.numpy())
+        elif arr.dtype == np.float64 and not isinstance(array, np.ndarray):
+            arr = arr.astype(np.float32)
+        elif arr.dtype.kind == "i" and not isinstance(array, np.ndarray):
+            arr = arr.astype(np.int64)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        cached = self._consts.get(key)
+        if cached is not None:
+            return cached
+        tensor = ir.tensor(arr, dtype=dtype) if dtype is not None else ir.tensor(arr)
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=self.unique("Const_node"))
+        out = node.outputs[0]
+        out.name = self.unique("const")
+        out.dtype = tensor.dtype
+        out.shape = ir.Shape(arr.shape)
+        out.const_value = tensor
+        self.graph.append(node)
+        self.nodes.append(node)
+        self._consts[key] = out
+        return out
+
+    def scalar(self, x: float, like: ir.Value) -> ir.Value:
+        """A rank-0 constant ``x`` with the dtype of ``like`` (CastLike when it is unknown)."""
+        if like.dtype is None and self.opset >= 15:
+            return self.op("CastLike", self.const(np.array(x), dtype=ir.DataType.DOUBLE), like)
+        return self.const(np.array(x), dtype=like.dtype or ir.DataType.FLOAT)
+
+    def ints(self, values) -> ir.Value:
+        return self.const(np.asarray(list(values) if not np.isscalar(values) else values, dtype=np.int64))
+
+    # opset-aware helpers -----------------------------------------------------------------
+    def reduce(self, op_type: str, x: ir.Value, axes=None, keepdims: bool = True) -> ir.Value:
+        """``op_type`` (ReduceSum/ReduceMean/...) over ``axes``: a list, an int64 value, or
+        None/[] for all axes."""
+        axes_as_input = (op_type == "ReduceSum" and self.opset >= 13) or self.opset >= 18
+        everything = axes is None or (isinstance(axes, (list, tuple)) and len(axes) == 0)
+        if axes_as_input:
+            if everything:
+                return self.op(op_type, x, keepdims=int(keepdims))
+            axes_v = axes if isinstance(axes, ir.Value) else self.ints(axes)
+            return self.op(op_type, x, axes_v, keepdims=int(keepdims))
+        if isinstance(axes, ir.Value):
+            raise GradientRuleError(f"{op_type} at opset {self.opset} needs static axes")
+        return self.op(op_type, x, axes=None if everything else list(axes), keepdims=int(keepdims))
+
+    def expand_like(self, v: ir.Value, like: ir.Value) -> ir.Value:
+        """``v`` broadcast to the shape of ``like`` (a no-op when the shapes already match)."""
+        vd, ld = dims_of(v), dims_of(like)
+        if vd is not None and vd == ld and all(d is not None for d in vd):
+            return v
+        if ld is not None and all(isinstance(d, int) for d in ld):
+            return self.op("Expand", v, self.ints(ld))
+        return self.op("Expand", v, self.shape(like))
+
+    def squeeze(self, x: ir.Value, axes) -> ir.Value:
+        return self.op("Squeeze", x, axes if isinstance(axes, ir.Value) else self.ints(axes))
+
+    def unsqueeze(self, x: ir.Value, axes) -> ir.Value:
+        return self.op("Unsqueeze", x, axes if isinstance(axes, ir.Value) else self.ints(axes))
+
+    def shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:
+        """Shape of ``x`` (dims ``start:end``); Shape's start/end exist from opset 15 only."""
+        if (start is None and end is None) or self.opset >= 15:
+            return self.op("Shape", x, start=start, end=end)
+        full = self.op("Shape", x)
+        stop = end if end is not None else 2**62
+        return self.op("Slice", full, self.ints([start or 0]), self.ints([stop]), self.ints([0]))
+
+    def reshape(self, x: ir.Value, shape) -> ir.Value:
+        return self.op("Reshape", x, shape if isinstance(shape, ir.Value) else self.ints(shape))
+
+    def add(self, a: ir.Value | None, b: ir.Value | None) -> ir.Value | None:
+        """a + b where None is zero (gradient contributions that may be absent)."""
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return self.Add(a, b)
+
+    def zeros_like(self, x: ir.Value) -> ir.Value:
+        """Zeros shaped like ``x``: one scalar expanded, never a full-size constant."""
+        return self.expand_like(self.scalar(0.0, x), x)
+
+    def ones_like(self, x: ir.Value) -> ir.Value:
+        dims = dims_of(x)
+        if dims is not None and len(dims) == 0:
+            return self.scalar(1.0, x)
+        return self.expand_like(self.scalar(1.0, x), x)
+
+    def unbroadcast(self, grad: ir.Value, like: ir.Value) -> ir.Value:
+        """Sum ``grad`` over the axes broadcasting added, so it takes the shape of ``like``.
+
+        Static shapes (ints and matching symbolic names) give a constant-axes ReduceSum;
+        otherwise a Shape-based subgraph computes the axes at run time.
+        """
+        g = dims_of(grad)
+        x = dims_of(like)
+        if g is not None and x is not None and len(g) >= len(x):
+            lead = len(g) - len(x)
+            axes = list(range(lead))
+            static = True
+            for i, xd in enumerate(x):
+                gd = g[lead + i]
+                if xd == gd and xd is not None:
+                    continue
+                if xd == 1:
+                    axes.append(lead + i)
+                elif isinstance(xd, int) or (gd == 1):
+                    continue  # like is the full size (or grad is 1 and like is not: impossible)
+                else:
+                    static = False
+                    break
+            if static:
+                if not axes:
+                    return grad
+                if len(axes) == lead:  # only leading axes: one ReduceSum without keepdims
+                    out = self.reduce("ReduceSum", grad, axes, keepdims=False)
+                else:
+                    out = self.reduce("ReduceSum", grad, axes, keepdims=True)
+                    if lead:
+                        out = self.squeeze(out, list(range(lead)))
+                self._set(out, like.dtype, x)
+                return out
+        return self._unbroadcast_dynamic(grad, like)
+
+    def _unbroadcast_dynamic(self, grad: ir.Value, like: ir.Value) -> ir.Value:
+        gshape = self.shape(grad)
+        xshape = self.shape(like)
+        grank = self.shape(gshape)
+        xrank = self.shape(xshape)
+        pad = self.op("Sub", grank, xrank)
+        ones = self.op("ConstantOfShape", pad, value=ir.tensor(np.array([1], dtype=np.int64)))
+        padded = self.op("Concat", ones, xshape, axis=0)
+        mask = self.op("Equal", padded, self.ints([1]))
+        axes = self.reshape(self.op("NonZero", mask), [-1])
+        summed = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        out = self.op("Reshape", summed, xshape)
+        self._set(out, like.dtype, dims_of(like))
+        return out
+
+    # type propagation ---------------------------------------------------------------------
+    @staticmethod
+    def _set(value: ir.Value, dtype, dims) -> None:
+        if dtype is not None and value.dtype is None:
+            value.dtype = dtype
+        if dims is not None and value.shape is None:
+            value.shape = _to_ir_shape(dims)
+
+    def _infer(self, node: ir.Node) -> None:
+        op = node.op_type
+        ins = node.inputs
+        first = next((v for v in ins if v is not None), None)
+        out = node.outputs[0]
+        if node.domain not in ("", "ai.onnx"):
+            return
+        if op in _ELEMENTWISE_BINARY or op == "Where":
+            data = ins[1:] if op == "Where" else ins
+            dtype = next((v.dtype for v in data if v is not None and v.dtype is not None), None)
+            self._set(out, dtype, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
+        elif op in _COMPARE or op == "Not":
+            self._set(out, ir.DataType.BOOL, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
+        elif op in _UNARY_SAME:
+            self._set(out, first.dtype, dims_of(first))
+        elif op == "Cast":
+            self._set(out, ir.DataType(attr(node, "to")), dims_of(first))
+        elif op == "CastLike":
+            self._set(out, ins[1].dtype, dims_of(first))
+        elif op == "Shape":
+            d = dims_of(first)
+            start, end = attr(node, "start", 0), attr(node, "end", None)
+            n = len(d[slice(start, end)]) if d is not None else None
+            self._set(out, ir.DataType.INT64, (n,) if n is not None else None)
+        elif op == "Transpose":
+            d = dims_of(first)
+            perm = attr(node, "perm")
+            if d is not None:
+                perm = perm if perm is not None else list(reversed(range(len(d))))
+                d = tuple(d[p] for p in perm)
+            self._set(out, first.dtype, d)
+        elif op == "MatMul":
+            a, b = dims_of(ins[0]), dims_of(ins[1])
+            dims = None
+            if a is not None and b is not None and len(a) >= 2 and len(b) >= 2:
+                batch = broadcast_dims(a[:-2], b[:-2])
+                dims = None if batch is None else batch + (a[-2], b[-1])
+            self._set(out, first.dtype, dims)
+        elif op in ("Expand", "Reshape"):
+            target = constant_of(ins[1])
+            dims = None
+            if target is not None and op == "Expand":
+                dims = broadcast_dims(dims_of(first), tuple(int(t) for t in target))
+            elif target is not None and op == "Reshape" and all(t > 0 for t in target):
+                dims = tuple(int(t) for t in target)
+            self._set(out, first.dtype, dims)
+        elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
+                    "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceLogSum"):
+            d = dims_of(first)
+            axes = constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
+            dims = None
+            if d is not None and axes is not None:
+                keep = attr(node, "keepdims", 1)
+                ax = {int(a) % max(len(d), 1) for a in np.atleast_1d(axes)}
+                dims = tuple((1 if i in ax else x) for i, x in enumerate(d) if keep or i not in ax)
+            self._set(out, first.dtype, dims)
+        elif op in ("Squeeze", "Unsqueeze"):
+            d = dims_of(first)
+            axes = constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
+            dims = None
+            if d is not None and axes is not None:
+                ax = [int(a) for a in np.atleast_1d(axes)]
+                if op == "Squeeze":
+                    ax = {a % len(d) for a in ax}
+                    dims = tuple(x for i, x in enumerate(d) if i not in ax)
+                else:
+                    r = len(d) + len(ax)
+                    ax = {a % r for a in ax}
+                    it = iter(d)
+                    dims = tuple(1 if i in ax else next(it) for i in range(r))
+            self._set(out, first.dtype, dims)
+        elif op in ("ConstantOfShape",):
+            v = attr(node, "value")
+            self._set(out, ir.DataType.FLOAT if v is None else ir.tensor(v).dtype, None)
+        elif op in ("NonZero", "ArgMax", "ArgMin", "Size"):
+            self._set(out, ir.DataType.INT64, () if op == "Size" else None)
+        elif op in _DATA_FIRST and first is not None:
+            outs = node.outputs if op == "Split" else node.outputs[:1]
+            for o in outs:
+                self._set(o, first.dtype, None)
+
+
+def _attr(name: str, v) -> ir.Attr:
+    """A Python value as an ONNX attribute (the types rules use), without protocol checks."""
+    if isinstance(v, bool) or isinstance(v, (int, np.integer)):
+        return ir.AttrInt64(name, int(v))
+    if isinstance(v, (float, np.floating)):
+        return ir.AttrFloat32(name, float(v))
+    if isinstance(v, str):
+        return ir.AttrString(name, v)
+    if isinstance(v, (list, tuple)):
+        if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v):
+            return ir.AttrInt64s(name, [int(x) for x in v])
+        if all(isinstance(x, (int, float, np.number)) for x in v):
+            return ir.AttrFloat32s(name, [float(x) for x in v])
+        if all(isinstance(x, str) for x in v):
+            return ir.AttrStrings(name, list(v))
+    if isinstance(v, ir.Attr):
+        return v
+    if isinstance(v, ir.Graph):
+        return ir.AttrGraph(name, v)
+    return ir.convenience.convert_attribute(name, v)
+
+
+def collect_names(graph: ir.Graph) -> set[str]:
+    names = set()
+    for v in graph.inputs:
+        names.add(v.name)
+    for name in graph.initializers:
+        names.add(name)
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.name:
+            names.add(node.name)
+        for o in node.outputs:
+            if o.name:
+                names.add(o.name)
+    return names

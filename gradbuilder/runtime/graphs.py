@@ -1,0 +1,78 @@
+"""The graphs a session runs, each built on first use and compiled per provider setting:
+
+- ``step``: forward, backward, (accumulation, clipping) and optimizer in one graph (``run``);
+- ``gradients`` / ``accumulate``: forward and backward only, the gradients returned or added
+  to buffers (``train_step``, onnxruntime-training's on-device API);
+- ``optimizer``: the update alone from those buffers (``optimizer_step``);
+- ``eval``: the forward in inference form (``eval_step``).
+
+Every graph has the session's state (weights, running statistics) as plain inputs: the
+session feeds them, and no graph holds a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import onnx
+
+from ..compiler import modelio
+from ..training.graph import StepGradientsBuilder, TrainingGraphBuilder, eval_model, optimizer_only_model
+from . import providers as _providers
+from .recompute import session_settings
+from .runner import Graph, compile_graph
+
+KINDS = ("step", "gradients", "accumulate", "optimizer", "eval")
+
+
+class GraphCache:
+    def __init__(self, builder: TrainingGraphBuilder, model: onnx.ModelProto, outputs: list[str],
+                 state: list[str], sess_options, providers, provider_options, device):
+        self.builder, self.model, self.outputs, self.state = builder, model, outputs, state
+        self.sess_options = sess_options
+        self.providers, self.provider_options, self.device = providers, provider_options, device
+        self.built: dict[str, bytes] = {}  # kind -> serialized graph (independent of providers)
+        self.compiled: dict[str, Graph] = {}  # kind -> its compiled graph
+        self.weight_specs: Mapping[str, np.ndarray] = {}  # weight -> an array of its dtype and shape
+
+    def __getitem__(self, kind: str) -> Graph:
+        if kind not in self.compiled:
+            options, disabled = self.sess_options, ()
+            if self.builder.recompute is not None and kind in ("step", "gradients", "accumulate"):
+                settings, disabled = session_settings(options.enable_cpu_mem_arena)  # keeps the recompute
+                options = _providers.options_with(options, **settings)
+            self.compiled[kind] = compile_graph(self.serialized(kind), options, self.providers,
+                                                self.provider_options, self.device, disabled)
+        return self.compiled[kind]
+
+    def serialized(self, kind: str) -> bytes:
+        if kind not in self.built:
+            self.built[kind] = self._build(kind)
+        return self.built[kind]
+
+    def _build(self, kind: str) -> bytes:
+        b = self.builder
+        if kind == "step":
+            proto = b.build().model_proto
+        elif kind in ("gradients", "accumulate"):
+            proto = StepGradientsBuilder(b, self.outputs, accumulate=kind == "accumulate").build().model_proto
+        elif kind == "optimizer":
+            proto = optimizer_only_model(self.weight_specs, b.optimizer, b.optimizer_options, b.max_grad_norm,
+                                         per_weight=b.per_weight_options)
+        elif kind == "eval":
+            proto = eval_model(self.model)
+        else:
+            raise AssertionError(kind)
+        modelio.weights_as_inputs(proto, self.state)
+        return proto.SerializeToString()
+
+    def set_providers(self, providers, provider_options, device) -> None:
+        """Compile again for other providers (the built graphs are kept)."""
+        self.providers, self.provider_options, self.device = providers, provider_options, device
+        self.compiled.clear()
+
+    def clear(self) -> None:
+        """Forget every graph: the model's constants changed."""
+        self.built.clear()
+        self.compiled.clear()

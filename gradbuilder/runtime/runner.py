@@ -1,0 +1,98 @@
+"""One compiled graph and how it runs: an onnxruntime session (from the provider cache), its
+inputs and outputs, and a run that binds OrtValues with IOBinding and leaves the outputs on
+the device. ``TrainingSession`` and ORTModule both run their graphs through it."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import InvalidArgumentError
+from . import providers as _providers
+
+# onnxruntime's type strings and numpy's types
+NP_OF_ORT = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
+    "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+ORT_OF_NP = {v: k[len("tensor("):-1] for k, v in NP_OF_ORT.items()}
+
+
+class Graph:
+    """A compiled graph: ``session``, ``inputs`` (name -> NodeArg), ``outputs`` (names) and
+    ``device`` (``(kind, index)``, where outputs are bound)."""
+
+    def __init__(self, session: ort.InferenceSession, device: tuple[str, int]):
+        self.session = session
+        self.device = device
+        self.inputs = {a.name: a for a in session.get_inputs()}
+        self.outputs = [a.name for a in session.get_outputs()]
+
+    def run(self, feeds: Mapping[str, ort.OrtValue], outputs: Sequence[str] | None = None,
+            run_options=None) -> dict[str, ort.OrtValue]:
+        """Run with ``feeds`` bound as inputs; returns ``outputs`` (default: all) as OrtValues
+        on the graph's device."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, value)
+        kind, index = self.device
+        names = self.outputs if outputs is None else list(outputs)
+        for name in names:
+            binding.bind_output(name, kind, index)
+        self.session.run_with_iobinding(binding, run_options)
+        results = dict(zip(names, binding.get_outputs()))
+        # The binding would keep this run's inputs alive for as long as any output is held
+        # (a training step's previous state): release them.
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        return results
+
+    def check_feeds(self, feeds: Mapping[str, object], given: Mapping[str, object] = {}, check=None) -> dict[str, object]:
+        """The caller's ``feeds`` checked against the graph's inputs other than ``given``:
+        names, element types, static sizes, and the same size wherever a symbolic dimension
+        appears; ``check(name, value)`` sees each value. Returns {name: value} in input order."""
+        if not isinstance(feeds, Mapping):
+            raise InvalidArgumentError(f"input_feed must be a dict of input name -> array, got {type(feeds).__name__}")
+        expected = [n for n in self.inputs if n not in given]
+        unknown = [n for n in feeds if n not in self.inputs or n in given]
+        if unknown:
+            raise InvalidArgumentError(f"input_feed: no model input named {unknown}; the inputs are {expected}")
+        missing = [n for n in expected if n not in feeds]
+        if missing:
+            raise InvalidArgumentError(f"input_feed: missing input(s) {missing}; the inputs are {expected}")
+        out, sizes = {}, {}
+        for name in expected:
+            value, arg = feeds[name], self.inputs[name]
+            if isinstance(value, ort.OrtValue):
+                dtype, shape = value.data_type(), value.shape()
+            else:
+                value = np.asarray(value)
+                dtype, shape = f"tensor({ORT_OF_NP.get(value.dtype.type, value.dtype.name)})", list(value.shape)
+            if dtype != arg.type:
+                raise InvalidArgumentError(f"input '{name}': expected {arg.type}, got {dtype}; convert it, "
+                                           f"e.g. x.astype(numpy.{np.dtype(NP_OF_ORT.get(arg.type, np.float32)).name})")
+            dims = arg.shape
+            if len(shape) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(dims, shape)):
+                raise InvalidArgumentError(f"input '{name}': expected shape {dims}, got {list(shape)}")
+            for d, size in zip(dims, shape):
+                if isinstance(d, str):
+                    seen = sizes.setdefault(d, (size, name))
+                    if seen[0] != size:
+                        raise InvalidArgumentError(f"dimension '{d}' is {seen[0]} in input '{seen[1]}' but {size} in "
+                                                   f"input '{name}'; the inputs must agree on it")
+            if check is not None:
+                check(name, value)
+            out[name] = value
+        return out
+
+
+def compile_graph(model: bytes, sess_options, providers, provider_options, device: tuple[str, int],
+                  disabled_optimizers: Sequence[str] = ()) -> Graph:
+    """``model`` (serialized) loaded by onnxruntime, one session per model and configuration
+    (``providers.cached_session``)."""
+    session = _providers.cached_session(model, sess_options, providers, provider_options, disabled_optimizers)
+    return Graph(session, device)

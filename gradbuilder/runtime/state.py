@@ -1,0 +1,94 @@
+"""The training state a session carries from one run to the next: weights, optimizer states,
+``Step``, running statistics, accumulation buffers, the loss scale, and the step-wise API's
+gradients, as OrtValues on the session's device.
+
+A graph's outputs ``X.updated`` become the state ``X`` only after the run that made them
+succeeded (:meth:`StateStore.commit`); values set by the user are checked whole (names,
+shapes, types) before any of them is taken (:meth:`StateStore.checked`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterable, Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import InvalidArgumentError
+from ..interface import state_input
+from .runner import NP_OF_ORT
+
+
+class StateStore:
+    def __init__(self, values: Mapping[str, object], device: tuple[str, int]):
+        self.device = device
+        self.values: dict[str, ort.OrtValue] = {n: self.ortvalue(v) for n, v in values.items()}
+        self.grads: dict[str, ort.OrtValue] = {}  # the step-wise API's gradient buffers, by weight
+
+    def ortvalue(self, value) -> ort.OrtValue:
+        """``value`` as an OrtValue on the device (an OrtValue is taken as it is)."""
+        if isinstance(value, ort.OrtValue):
+            return value
+        kind, index = self.device
+        return ort.OrtValue.ortvalue_from_numpy(np.asarray(value, order="C"), kind, index)
+
+    def __getitem__(self, name: str) -> ort.OrtValue:
+        return self.values[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def take(self, names: Iterable[str]) -> dict[str, ort.OrtValue]:
+        return {n: self.values[n] for n in names}
+
+    def commit(self, results: Mapping[str, ort.OrtValue]) -> None:
+        """Take every ``X.updated`` output of a successful run as the new ``X``."""
+        for name, value in results.items():
+            target = state_input(name)
+            if target is not None:
+                self.values[target] = value
+
+    def array(self, name: str) -> np.ndarray:
+        """A numpy copy of ``name``: valid after later steps replace the value."""
+        return np.array(self.values[name].numpy(), copy=True)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        value = self.values[name]
+        return tuple(value.shape()), np.dtype(NP_OF_ORT[value.data_type()])
+
+    def checked(self, values: Mapping[str, object], specs: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+        """``values`` as arrays, each checked against ``specs`` (name -> (shape, dtype)); the
+        first name or value that does not fit raises, before anything changes."""
+        out = {}
+        for name, value in values.items():
+            value = np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
+            shape, dtype = specs[name]
+            if value.shape != shape or value.dtype != dtype:
+                raise InvalidArgumentError(f"'{name}': expected {dtype.name} {list(shape)}, got "
+                                           f"{value.dtype.name} {list(value.shape)}")
+            out[name] = value
+        return out
+
+    def set(self, values: Mapping[str, np.ndarray]) -> None:
+        """Replace values (already checked) with copies on the device."""
+        for name, value in values.items():
+            self.values[name] = self.ortvalue(np.array(value, copy=True))
+
+    def move_to(self, device: tuple[str, int]) -> None:
+        """Move every value (and gradient) to ``device``."""
+        if device == self.device:
+            return
+        self.device = device
+        self.values = {n: self.ortvalue(v.numpy()) for n, v in self.values.items()}
+        self.grads = {n: self.ortvalue(v.numpy()) for n, v in self.grads.items()}
+
+
+def fingerprint(weights: Iterable[str], state: Mapping[str, np.ndarray], optimizer: str) -> str:
+    """Identifies the model and optimizer a checkpoint belongs to: names, dtypes and shapes."""
+    items = sorted((n, np.asarray(v).dtype.str, list(np.shape(v))) for n, v in state.items())
+    return hashlib.sha256(json.dumps([optimizer, sorted(weights), items]).encode()).hexdigest()

@@ -1,0 +1,204 @@
+"""Training artifacts and inference export, shaped like onnxruntime's training artifacts API.
+
+``export_model_for_inferencing`` writes the forward model with trained weights and only the
+outputs asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import numpy_helper
+
+from .. import compat, files
+from ..compiler import modelio
+from ..errors import InvalidArgumentError
+from ..compiler.passes.cleanup import remove_unused_nodes
+from .stages.optimizer import initial_state
+from ..compiler.passes.running_stats import buffers_of, inference_form
+from .graph import optimizer_only_model
+from ..interface import STEP, state_of
+
+
+def export_model_for_inferencing(model, output_path: str | os.PathLike, output_names: Sequence[str],
+                                 weights: Mapping[str, np.ndarray] | None = None, base_dir=None) -> str:
+    """Write ``model`` (forward graph: bytes, path or ModelProto, never modified) to
+    ``output_path`` with the initializers in ``weights`` replaced by the given (trained)
+    values and only ``output_names`` as outputs; nodes those outputs do not need are removed.
+    The model is written in inference mode (``passes.running_stats.inference_form``:
+    BatchNormalization reads its running statistics, Dropout passes through), so each output
+    depends on its own sample only. The write is atomic. ``base_dir``: where the model's
+    external data files are (default: the folder of the model's path)."""
+    files.check_output_path(output_path, what="inference model")  # before any work
+    proto = modelio.load_proto(model, base_dir)
+    compat.check_for_runtime(proto)
+    proto = inference_form(proto)
+    inits = {t.name: t for t in proto.graph.initializer}
+    for name, value in (weights or {}).items():
+        if name not in inits:
+            raise InvalidArgumentError(f"weights: the model has no initializer named '{name}'")
+        old = inits[name]
+        value = np.asarray(value)
+        if list(value.shape) != list(old.dims):
+            raise InvalidArgumentError(
+                f"weights: '{name}' has shape {list(value.shape)}, the model's initializer {list(old.dims)}")
+        new = numpy_helper.from_array(value.astype(onnx.helper.tensor_dtype_to_np_dtype(old.data_type)), name)
+        old.CopyFrom(new)
+    names = list(output_names)
+    if not names:
+        raise InvalidArgumentError("output_names is empty: name at least one output to keep")
+    ir_model = modelio.to_ir(onnx.shape_inference.infer_shapes(proto))  # typed outputs
+    values = {v.name: v for v in ir_model.graph.inputs}
+    values.update(ir_model.graph.initializers)
+    for node in ir_model.graph:
+        values.update({o.name: o for o in node.outputs})
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise InvalidArgumentError(f"output_names: the model has no values named {missing}")
+    ir_model.graph.outputs.clear()
+    ir_model.graph.outputs.extend(_output_values(ir_model.graph, [values[n] for n in names]))
+    remove_unused_nodes(ir_model)
+    read = {v.name for n in ir.traversal.RecursiveGraphIterator(ir_model.graph) for v in n.inputs if v is not None}
+    for v in [v for v in ir_model.graph.inputs if v.name not in read and not v.is_graph_output()]:
+        ir_model.graph.inputs.remove(v)  # read only by what was dropped (e.g. the loss's labels)
+    out = modelio.DetachedModel(ir.to_proto(ir_model), {})
+    out.check()
+    out.save(output_path)
+    return str(output_path)
+
+
+def _output_values(graph: ir.Graph, values: list[ir.Value]) -> list[ir.Value]:
+    """Graph outputs for ``values``: a graph input or initializer asked for as an output, or a
+    value asked for twice, goes through an Identity (an output must be produced by a node and
+    appear once)."""
+    outs = []
+    for v in values:
+        if v.is_graph_input() or v.is_initializer() or v in outs:
+            node = ir.Node("", "Identity", [v], num_outputs=1)
+            graph.append(node)
+            node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = f"{v.name}_out", v.dtype, v.shape
+            v = node.outputs[0]
+        outs.append(v)
+    return outs
+
+
+def _plain_optimizer(name) -> str:
+    """``name`` as TrainingParameters reads it (case-insensitive; onnxruntime-training's
+    SGDOptimizer, AdamOptimizer and LambOptimizer too) as our plain optimizer name."""
+    from .params import TrainingParameters
+
+    plain = TrainingParameters(training_optimizer_name=name).optimizer_name()
+    if plain is None:
+        raise InvalidArgumentError("optimizer is empty; name one, e.g. 'adamw' or 'AdamOptimizer'")
+    return plain
+
+
+def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen_params: Sequence[str] = (),
+                       loss: str | None = None, optimizer: str = "adamw", artifact_directory: str | os.PathLike = ".",
+                       prefix: str = "", *, loss_output: str | None = None, target_name: str = "target",
+                       optimizer_options: dict | None = None, base_dir=None) -> dict[str, str]:
+    """Write the training artifacts of ``model`` into ``artifact_directory``, as onnxruntime's
+    ``generate_artifacts`` does, every one loadable by stock onnxruntime:
+
+    - ``training_model.onnx``: forward + loss + gradients; outputs ``loss`` then ``W_grad``,
+      then ``B.updated`` for each running statistic ``B`` (BatchNormalization buffers: inputs
+      of the model, in the checkpoint, updated by each training run, never trained).
+    - ``eval_model.onnx``: forward + loss, in inference mode (running statistics, no dropout).
+    - ``optimizer_model.onnx``: inputs ``Learning_Rate``, ``Step``, every ``W``, ``W_grad`` and
+      optimizer state ``W.<state>``; outputs ``W.updated``, ``W.<state>.updated``, ``Step.updated``.
+    - ``checkpoint.npz``: the weights, the running statistics, the initial optimizer states and
+      ``Step`` (numpy's npz,
+      read with ``numpy.load(path, allow_pickle=False)``: no pickled objects).
+
+    ``loss`` appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to the output
+    ``loss_output`` (default: the model's first output), reading a new input ``target_name``;
+    without it the model's first output is the loss. ``requires_grad`` defaults to every float
+    initializer not in ``frozen_params``. Nothing is written unless every artifact builds.
+    ``base_dir``: where the model's external data files are (default: the folder of its path).
+    """
+    from ..compiler.builder import GradientGraphBuilder, float_initializers
+    from .loss import append_loss
+    from .stages.optimizer import resolve
+
+    from ..compiler.torch_exports import warn_inference_export
+
+    optimizer = _plain_optimizer(optimizer)
+    names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
+                                          "checkpoint.npz")}
+    directory = _check_artifact_paths(artifact_directory, names)
+    proto = modelio.load_proto(model, base_dir)
+    warn_inference_export(proto)
+    compat.check_for_runtime(proto)
+    if loss is not None:
+        output = loss_output or proto.graph.output[0].name
+        proto = append_loss(proto, loss, output, target_name=target_name, loss_name="loss")
+        loss_name = "loss"
+    else:
+        loss_name = proto.graph.output[0].name
+    buffers = buffers_of(proto)
+    if isinstance(requires_grad, str):
+        raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
+    weights = list(requires_grad) if requires_grad is not None else [w for w in float_initializers(proto)
+                                                                       if w not in buffers]
+    weights = [w for w in weights if w not in set(frozen_params)]
+    _check_weights(proto, weights, buffers)
+    options = resolve(optimizer, optimizer_options)
+    training = GradientGraphBuilder(proto, weights, [loss_name], loss_name, running_statistics=True)
+    training._warn_about_model = False  # said above
+    training.build()
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    optimizer_model = optimizer_only_model({w: inits[w] for w in weights}, optimizer, options)
+    state = {STEP: np.array(0, np.int64), **{b: inits[b] for b in buffers}}
+    for w in weights:
+        state[w] = inits[w]
+        for s, value in initial_state(optimizer, options, inits[w]).items():
+            state[state_of(w, s)] = value
+
+    training_model = training._built()
+    data_name = names["training_model.onnx"] + ".data"  # only for a training model over 2 GB
+    keys = ([data_name] if training_model.uses_external_data() else []) + list(names)
+    with files.output_directory(directory, what="artifact directory"), \
+            files.atomic_write(*(directory / names.get(k, k) for k in keys), what="artifacts") as temps:
+        tmp = dict(zip(keys, temps))
+        training_model.write(tmp["training_model.onnx"], tmp.get(data_name), data_name)
+        onnx.save(inference_form(proto), tmp["eval_model.onnx"])
+        onnx.save(optimizer_model, tmp["optimizer_model.onnx"])
+        with open(tmp["checkpoint.npz"], "wb") as f:  # (a path would get ".npz" appended)
+            np.savez(f, **state)
+    return {key: str(directory / name) for key, name in names.items()}
+
+
+def _check_artifact_paths(artifact_directory, names: dict[str, str]):
+    """The artifact directory as a Path, once it is known the artifacts can be written there
+    (before anything is built)."""
+    directory = files.check_output_directory(artifact_directory, what="artifact directory")
+    if directory.is_dir():
+        for name in names.values():
+            files.check_output_path(directory / name, what="artifact", probe=False)
+    return directory
+
+
+def _check_weights(proto: onnx.ModelProto, weights: Sequence[str], buffers: Sequence[str]) -> None:
+    """Every weight of the artifacts is an initializer: its value starts the checkpoint."""
+    inits = {t.name for t in proto.graph.initializer}
+    inputs = {i.name for i in proto.graph.input}
+    values = inits | inputs | {o for n in proto.graph.node for o in n.output}
+    for w in weights:
+        if w in buffers:
+            raise InvalidArgumentError(f"requires_grad: '{w}' is a BatchNormalization running statistic, which the "
+                                       "training model updates as a buffer; it is not trained: leave it out")
+        if w in inits:
+            continue
+        if w in inputs:
+            raise InvalidArgumentError(
+                f"requires_grad: '{w}' is a graph input without an initializer; generate_artifacts writes each "
+                "weight's initial value into checkpoint.npz, so give it one as an initializer, or leave it out")
+        if w in values:
+            raise InvalidArgumentError(f"requires_grad: '{w}' is computed by a node of the model; weights must be "
+                                       "initializers")
+        raise InvalidArgumentError(f"requires_grad: the model has no initializer named '{w}' (its initializers: "
+                                   f"{sorted(inits)[:8]}{' ...' if len(inits) > 8 else ''})")

@@ -1,0 +1,212 @@
+"""The optimizer update, appended after the gradients, in standard ONNX operators.
+
+Numerics follow ``torch.optim`` step for step. The update reads two graph inputs shared by
+every weight, the learning rate (``lr_name``, float scalar) and the number of updates done so
+far (``step_name``, int64 scalar; torch's ``step`` is this plus one), and per weight its
+state tensors as inputs named ``<weight>.<state>``; it returns ``<weight>.updated``,
+``<weight>.<state>.updated`` and ``<step_name>.updated``. States per optimizer:
+
+    sgd      momentum_buffer (only with momentum != 0)
+    adam     exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)     L2 weight decay
+    adamw    exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)     decoupled weight decay
+    adagrad  sum
+    lamb     exp_avg, exp_avg_sq
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from ...errors import InvalidArgumentError
+from ...compiler.passes import guarded, named_output, new_input
+from ...interface import state_of, updated
+
+DEFAULTS = {
+    "sgd": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
+    "adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "bias_correction": True},
+    "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False, "bias_correction": True},
+    "lamb": {"betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True,
+             "ratio_min": float("-inf"), "ratio_max": float("inf")},
+    "adagrad": {"lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
+}
+
+
+def state_names(name: str, options: dict) -> list[str]:
+    """The state tensors one weight carries under optimizer ``name``."""
+    if name == "sgd":
+        return ["momentum_buffer"] if options["momentum"] else []
+    if name == "lamb":
+        return ["exp_avg", "exp_avg_sq"]
+    if name in ("adam", "adamw"):
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if options["amsgrad"] else [])
+    return ["sum"]
+
+
+# States that may be stored in half precision (``use_fp16_moments``): the first moments. The
+# second moments (exp_avg_sq, max_exp_avg_sq, Adagrad's sum) hold squared gradients, which
+# float16 flushes to zero below 6e-8 (|g| < 2.4e-4): the update m / (sqrt(v) + eps) then blows
+# up, so they stay in the weight's type.
+HALF_STATES = frozenset({"exp_avg", "momentum_buffer"})
+
+
+def state_dtype_of(state: str, weight_dtype, half):
+    """The stored type of ``state``: ``half`` (when given) for HALF_STATES, else the weight's."""
+    return half if half is not None and state in HALF_STATES else weight_dtype
+
+
+def initial_state(name: str, options: dict, weight: np.ndarray, half=None) -> dict[str, np.ndarray]:
+    """Each state's first value, in its stored type (see HALF_STATES; ``half`` a numpy dtype)."""
+    fill = options.get("initial_accumulator_value", 0.0) if name == "adagrad" else 0.0
+    return {s: np.full(weight.shape, fill, dtype=state_dtype_of(s, weight.dtype, half))
+            for s in state_names(name, options)}
+
+
+def resolve(name: str, options: dict | None) -> dict:
+    """``options`` over the optimizer's defaults; unknown names are an error."""
+    if name not in DEFAULTS:
+        raise InvalidArgumentError(f"unknown optimizer '{name}'; choose one of {sorted(DEFAULTS)}")
+    merged = dict(DEFAULTS[name])
+    for key, value in (options or {}).items():
+        if key not in merged:
+            raise InvalidArgumentError(
+                f"optimizer '{name}' has no option '{key}'; its options are {sorted(merged)}")
+        merged[key] = value
+    return merged
+
+
+@dataclasses.dataclass
+class Update:
+    inputs: list[ir.Value]  # lr, step, then every state
+    outputs: list[ir.Value]  # updated weights, then updated states, then the updated step
+
+
+def add_optimizer(e, weights: list[ir.Value], grads: dict[str, ir.Value], name: str, options: dict,
+                  lr_name: str, step_name: str, apply: ir.Value | None = None,
+                  state_dtype: ir.DataType | None = None, per_weight: dict[str, dict] | None = None) -> Update:
+    """Append the update of every weight (``grads`` maps weight name -> gradient value).
+    ``per_weight`` gives some weights options of their own (as torch's parameter groups);
+    the others take ``options``. With ``apply`` (a bool scalar) the update takes effect only
+    where it is true: otherwise weights, states and the step count come out unchanged
+    (gradient accumulation, skipped steps). With ``state_dtype`` the first moments
+    (HALF_STATES) are stored in that type (float16 moments) and computed in the weight's."""
+    options = resolve(name, options)
+    lr = new_input(e, lr_name, ir.DataType.FLOAT, [])
+    step = new_input(e, step_name, ir.DataType.INT64, [])
+    t = e.Add(step, e.const(np.array(1, np.int64)))  # torch's step count after this update
+    inputs, new_weights, new_states = [lr, step], [], []
+    for w in weights:
+        own = resolve(name, (per_weight or {}).get(w.name, options))
+        states = {s: new_input(e, state_of(w.name, s), state_dtype_of(s, w.dtype, state_dtype), w.shape)
+                  for s in state_names(name, own)}
+        inputs.extend(states.values())
+        updated, updated_states = STEPS[name](e, w, grads[w.name], e.CastLike(lr, w), e.CastLike(t, w),
+                                              {s: e.CastLike(v, w) for s, v in states.items()}, own)
+        new_weights.append(named_output(e, guarded(e, apply, updated, w), updated(w.name), w))
+        new_states += [named_output(e, guarded(e, apply, e.CastLike(updated_states[s], states[s]), states[s]),
+                                    updated(states[s].name), states[s]) for s in states]
+    step_out = named_output(e, guarded(e, apply, t, step), updated(step_name), step)
+    return Update(inputs, new_weights + new_states + [step_out])
+
+
+def _scalar(e, value: float, like: ir.Value) -> ir.Value:
+    return e.scalar(float(value), like)
+
+
+# ----------------------------------------------------------------------------- the steps
+# Each returns (updated weight, {state: updated state}); lr and t are cast to w's type.
+
+
+def _sgd(e, w, g, lr, t, states, o):
+    """g += wd w;  buf = g at t = 1, else momentum buf + (1 - dampening) g;
+    g = g + momentum buf (nesterov) or buf;  w -= lr g"""
+    if o["weight_decay"]:
+        g = e.Add(g, e.Mul(_scalar(e, o["weight_decay"], w), w))
+    new = {}
+    if o["momentum"]:
+        buf = states["momentum_buffer"]
+        mu = _scalar(e, o["momentum"], w)
+        blended = e.Add(e.Mul(mu, buf), e.Mul(_scalar(e, 1.0 - o["dampening"], w), g))
+        buf = e.Where(e.Equal(t, _scalar(e, 1.0, w)), g, blended)
+        new["momentum_buffer"] = buf
+        g = e.Add(g, e.Mul(mu, buf)) if o["nesterov"] else buf
+    return e.Sub(w, e.Mul(lr, g)), new
+
+
+def _adam(e, w, g, lr, t, states, o, decoupled=False):
+    """(AdamW: w *= 1 - lr wd)  (Adam: g += wd w)
+    m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2;  (amsgrad: v_max = max(v_max, v))
+    w -= lr / (1 - b1^t) * m / (sqrt(v or v_max) / sqrt(1 - b2^t) + eps)
+
+    computed as w -= s * m / (sqrt(v) + eps sqrt(1 - b2^t)) with the scalar
+    s = lr sqrt(1 - b2^t) / (1 - b1^t): one pass over the weight fewer."""
+    b1, b2 = (float(b) for b in o["betas"])
+    one = _scalar(e, 1.0, w)
+    if o["weight_decay"]:
+        wd = _scalar(e, o["weight_decay"], w)
+        if decoupled:
+            w = e.Mul(w, e.Sub(one, e.Mul(lr, wd)))
+        else:
+            g = e.Add(g, e.Mul(wd, w))
+    m = states["exp_avg"]
+    m = e.Add(m, e.Mul(e.Sub(g, m), _scalar(e, 1.0 - b1, w)))
+    v = e.Add(e.Mul(_scalar(e, b2, w), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
+    new = {"exp_avg": m, "exp_avg_sq": v}
+    second = v
+    if o["amsgrad"]:
+        second = e.Max(states["max_exp_avg_sq"], v)
+        new["max_exp_avg_sq"] = second
+    bias1, bias2 = _bias_corrections(e, w, t, b1, b2, o["bias_correction"])
+    root2 = e.Sqrt(bias2)
+    step_size = e.Div(e.Mul(lr, root2), bias1)
+    denom = e.Add(e.Sqrt(second), e.Mul(_scalar(e, o["eps"], w), root2))
+    return e.Sub(w, e.Mul(e.Div(m, denom), step_size)), new
+
+
+def _bias_corrections(e, w, t, b1, b2, enabled):
+    """(1 - b1^t, 1 - b2^t), or ones without bias correction."""
+    one = _scalar(e, 1.0, w)
+    if not enabled:
+        return one, one
+    return e.Sub(one, e.Pow(_scalar(e, b1, w), t)), e.Sub(one, e.Pow(_scalar(e, b2, w), t))
+
+
+def _lamb(e, w, g, lr, t, states, o):
+    """LAMB (You et al., 2019), as onnxruntime's LambOptimizer:
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  r = m^ / (sqrt(v^) + eps) (bias-corrected
+    hats);  u = r + wd w;  ratio = clip(||w|| / ||u||, ratio_min, ratio_max), 1 where either
+    norm is 0;  w -= lr ratio u"""
+    b1, b2 = (float(b) for b in o["betas"])
+    m = e.Add(e.Mul(_scalar(e, b1, w), states["exp_avg"]), e.Mul(_scalar(e, 1.0 - b1, w), g))
+    v = e.Add(e.Mul(_scalar(e, b2, w), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
+    bias1, bias2 = _bias_corrections(e, w, t, b1, b2, o["bias_correction"])
+    r = e.Div(e.Div(m, bias1), e.Add(e.Sqrt(e.Div(v, bias2)), _scalar(e, o["eps"], w)))
+    u = e.Add(r, e.Mul(_scalar(e, o["weight_decay"], w), w)) if o["weight_decay"] else r
+    zero = _scalar(e, 0.0, w)
+    w_norm = e.Sqrt(e.reduce("ReduceSumSquare", w, None, keepdims=False))
+    u_norm = e.Sqrt(e.reduce("ReduceSumSquare", u, None, keepdims=False))
+    either_zero = e.Or(e.Equal(w_norm, zero), e.Equal(u_norm, zero))
+    ratio = e.Where(either_zero, _scalar(e, 1.0, w), e.Div(w_norm, e.Where(either_zero, _scalar(e, 1.0, w), u_norm)))
+    if o["ratio_min"] > float("-inf") or o["ratio_max"] < float("inf"):
+        ratio = e.Clip(ratio, _scalar(e, max(o["ratio_min"], -3.0e38), w), _scalar(e, min(o["ratio_max"], 3.0e38), w))
+    return e.Sub(w, e.Mul(e.Mul(lr, ratio), u)), {"exp_avg": m, "exp_avg_sq": v}
+
+
+def _adamw(e, w, g, lr, t, states, o):
+    return _adam(e, w, g, lr, t, states, o, decoupled=True)
+
+
+def _adagrad(e, w, g, lr, t, states, o):
+    """g += wd w;  clr = lr / (1 + (t - 1) lr_decay);  sum += g^2;  w -= clr g / (sqrt(sum) + eps)"""
+    one = _scalar(e, 1.0, w)
+    if o["weight_decay"]:
+        g = e.Add(g, e.Mul(_scalar(e, o["weight_decay"], w), w))
+    clr = e.Div(lr, e.Add(one, e.Mul(e.Sub(t, one), _scalar(e, o["lr_decay"], w))))
+    total = e.Add(states["sum"], e.Mul(g, g))
+    step = e.Div(g, e.Add(e.Sqrt(total), _scalar(e, o["eps"], w)))
+    return e.Sub(w, e.Mul(clr, step)), {"sum": total}
+
+
+STEPS = {"sgd": _sgd, "adam": _adam, "adamw": _adamw, "adagrad": _adagrad, "lamb": _lamb}
