@@ -27,6 +27,14 @@ from .errors import CheckpointError, GradBuilderError, InvalidArgumentError, Mod
 
 log = logging.getLogger(__name__)
 
+
+def _optimizer_help() -> str:
+    from .training.stages.optimizer import OPTIMIZERS
+
+    *names, last = OPTIMIZERS
+    return f"{', '.join(names)} or {last} (default adamw)"
+
+
 # The errors that are the caller's: a name or option that does not fit, an input file that
 # cannot be read. Every other GradBuilderError is a failure while working.
 USAGE_ERRORS = (InvalidArgumentError, ModelLoadError)
@@ -506,7 +514,7 @@ def parser() -> argparse.ArgumentParser:
                                   "(default: the model's first output is the loss)")
     p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
     p.add_argument("--target", help="with --loss: name of its target input (default target)")
-    p.add_argument("--optimizer", default="adamw", help="sgd, adam, adamw, adagrad or lamb (default adamw)")
+    p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
     p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
     p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
@@ -531,7 +539,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", help="append a loss instead: crossentropy, nll, mse, l1, bcewithlogits")
     p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
     p.add_argument("--target", help="with --loss: name of its target input (default target)")
-    p.add_argument("--optimizer", default="adamw", help="sgd, adam, adamw, adagrad or lamb (default adamw)")
+    p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
     p.add_argument("--lr", type=_positive_float, help="learning rate (default 1e-3)")
     p.add_argument("--steps", type=_integer(1), default=300,
                    help="batches to train on in all, counting the checkpoint's with --resume (default 300)")

@@ -395,19 +395,21 @@ def test_nonfinite_step_warning_points_at_the_caller():
 
 
 def test_provider_fallback_warning_points_at_the_caller(monkeypatch):
+    from gradbuilder.runtime.runner import Graph
+
     s = TrainingSession(linear(), params(), providers=CPU)
-    real = s._bind_and_run
+    real = Graph.run
     calls = []
 
-    def fail_once(*args):
+    def fail_once(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("the device failed")
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(s, "_bind_and_run", fail_once)
-    s._device = ("cuda", 0)  # as if it ran on a GPU
-    monkeypatch.setattr(s, "_ortvalue", lambda v: ort.OrtValue.ortvalue_from_numpy(np.asarray(v)))
+    monkeypatch.setattr(Graph, "run", fail_once)
+    s._state.device = ("cuda", 0)  # as if it ran on a GPU
+    monkeypatch.setattr(s._state, "ortvalue", lambda v: ort.OrtValue.ortvalue_from_numpy(np.asarray(v)))
     with pytest.warns(RuntimeWarning, match="falling back to CPUExecutionProvider") as record:
         s.run(["loss"], feeds())
     assert record[0].filename == __file__

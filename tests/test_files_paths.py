@@ -49,7 +49,7 @@ SAVES = {
         export_model_for_inferencing(linear_model(), p, ["loss"]))),
     "checkpoint.save": (CheckpointError, lambda p, mp, fx: checkpoint.save(p, {"w": np.ones(3, np.float32)})),
     "TrainingSession.save_checkpoint": (CheckpointError, lambda p, mp, fx: (
-        mp.setattr("gradbuilder.runtime.session._array", _no_work), fx["trained"].save_checkpoint(p))),
+        mp.setattr("gradbuilder.runtime.state.StateStore.array", _no_work), fx["trained"].save_checkpoint(p))),
 }
 
 # (name, make(tmp_path) -> path, expected message)

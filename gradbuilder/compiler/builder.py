@@ -10,8 +10,9 @@ import onnx
 import onnx_ir as ir
 
 from .. import compat
+from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError, InvalidModelError, OutputError
-from ..interface import updated
+from ..interface import GRADIENT, updated
 from . import modelio, pipeline
 from .autodiff import differentiate
 from .passes import named_output
@@ -43,7 +44,7 @@ class GradientGraphBuilder:
         loss: str | None = None,
         *,
         stop_gradients: Iterable[str] = (),
-        gradient_suffix: str = "_grad",
+        gradient_suffix: str = GRADIENT,
         mixed_precision: str | None = None,
         cast_propagation: tuple[int, Iterable[str]] = (1, ()),
         recompute=None,
@@ -303,5 +304,4 @@ def _drop_inner_types(graph: ir.Graph) -> None:
 def float_initializers(model, base_dir=None) -> list[str]:
     """Names of the float initializers of ``model`` (the default set of weights)."""
     proto = modelio.read_proto(model, base_dir)
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-    return [t.name for t in proto.graph.initializer if t.data_type in floats]
+    return [t.name for t in proto.graph.initializer if t.data_type in FLOAT_TENSOR_TYPES]

@@ -23,13 +23,13 @@ import onnx
 from onnx import numpy_helper
 
 from ..compat import warn
+from ..dtypes import FLOAT_TENSOR_TYPES as _FLOATS
 
 _SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 _RANGES = "pkg.torch.export.ExportedProgram.range_constraints"
 _REWRITE_RULE = "pkg.onnxscript.rewriter.rule_name"
 _WEIGHT_OPS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "MatMul": (1,), "BatchNormalization": (1, 2),
                "LayerNormalization": (1, 2)}
-_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
 def _metadata(props) -> dict[str, str]:

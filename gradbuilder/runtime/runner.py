@@ -9,17 +9,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from ..dtypes import NP_OF_ORT, ORT_OF_NP
 from ..errors import InvalidArgumentError
 from . import providers as _providers
 
-# onnxruntime's type strings and numpy's types
-NP_OF_ORT = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
-    "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
-}
-ORT_OF_NP = {v: k[len("tensor("):-1] for k, v in NP_OF_ORT.items()}
 
 
 class Graph:

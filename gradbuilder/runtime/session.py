@@ -36,13 +36,13 @@ from onnx import numpy_helper
 from .. import compat, files
 from ..compiler import modelio
 from ..compiler.passes.running_stats import buffers_of
+from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import CheckpointError, InvalidArgumentError, NonFiniteError, ProviderError
 from ..interface import (ACCUMULATION_STEP, ALL_FINITE, GRAD_ACCUM, GRADIENT, LEARNING_RATE, LOSS_SCALE,
                          LOSS_SCALE_GOOD_STEPS, STEP, grad_accum, state_of, updated)
 from ..training.graph import from_parameters, weights_of
 from . import checkpoint, providers as _providers, schedulers
 from .graphs import GraphCache
-from .runner import NP_OF_ORT
 from .state import StateStore, fingerprint
 
 _SHARED = (STEP, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS)  # state shared by every weight
@@ -76,7 +76,7 @@ class TrainingSession:
                                        "give them initial values as initializers")
         values = {w: numpy_helper.to_array(inits[w]) for w in self.weights + self.buffers if w in inits}
         self._frozen = [t.name for t in self._model.graph.initializer if t.name not in values
-                        and t.data_type in _FLOAT_TYPES]
+                        and t.data_type in FLOAT_TENSOR_TYPES]
         modelio.weights_as_inputs(self._model, self.weights + self.buffers)  # their values live in the state only
         self._builder = from_parameters(self._model, self._params, outputs=self._output_names(), weights=self.weights)
         self._builder._warn_about_model = False  # said above
@@ -670,7 +670,6 @@ class TrainingIOBinding:
 # ---------------------------------------------------------------------------- helpers
 _OrtErrors = ort.capi.onnxruntime_pybind11_state
 _CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
 def _resolve_providers(providers, provider_options):

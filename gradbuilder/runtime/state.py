@@ -16,9 +16,9 @@ from typing import Iterable, Mapping
 import numpy as np
 import onnxruntime as ort
 
+from ..dtypes import NP_OF_ORT
 from ..errors import InvalidArgumentError
 from ..interface import state_input
-from .runner import NP_OF_ORT
 
 
 class StateStore:

@@ -134,7 +134,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
             # a micro-step that is not finite is dropped, except under loss scaling, where
             # the check on the sum below backs the scale off (as GradScaler)
             acc = accumulate(e, weights, grads, self.accumulation_steps, keep=None if self._scaled else finite)
-            grads, apply = acc.grads, acc.last
+            grads, apply = acc.grads, acc.apply
             inputs, outputs = inputs + acc.inputs, acc.outputs
         if self._scaled is not None:
             summed_finite = all_finite(e, grads) if self.accumulation_steps > 1 else finite
@@ -143,7 +143,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         elif apply is None:
             apply = finite
         if self.max_grad_norm is not None:
-            grads = clip_by_global_norm(e, weights, grads, self.max_grad_norm)
+            grads = clip_by_global_norm(e, weights, grads, self.max_grad_norm).grads
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
                                self.lr_name, self.step_name, apply, self.state_dtype, self.per_weight_options)
         flag = named_output(e, finite, ALL_FINITE, finite)
@@ -458,7 +458,7 @@ def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: 
     clipped = {w.name: g for w, g in zip(ws, grads)}
     finite = all_finite(e, clipped)
     if max_grad_norm is not None:
-        clipped = clip_by_global_norm(e, ws, clipped, max_grad_norm)
+        clipped = clip_by_global_norm(e, ws, clipped, max_grad_norm).grads
     update = add_optimizer(e, ws, clipped, name, options, LEARNING_RATE, STEP, finite, per_weight=per_weight)
     for v in reversed(update.inputs[:2]):  # Learning_Rate, Step first
         graph.inputs.insert(0, v)

@@ -34,6 +34,7 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from ..compiler import modelio
+from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError, InvalidModelError
 
 __all__ = ["append_loss", "LOSS_KINDS", "REDUCTIONS"]
@@ -65,7 +66,7 @@ _FLOAT_NP = {
     TensorProto.DOUBLE: np.float64,
     TensorProto.FLOAT16: np.float16,
 }
-_FLOATS = set(_FLOAT_NP) | {TensorProto.BFLOAT16}
+_FLOATS = FLOAT_TENSOR_TYPES
 
 
 def _kind(kind) -> str:

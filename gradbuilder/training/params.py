@@ -53,6 +53,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..interface import LEARNING_RATE
+from .stages.optimizer import OPTIMIZERS
 
 _DISTRIBUTED = "distributed and parallel training arrive with the distributed pass"
 
@@ -96,7 +98,7 @@ OPTIONS = {
     "memory_budget_fraction": ("float", 0.0),
     "memory_budget_mb": ("float", 0.0),
     "mixed_precision_dtype": ("str", "float16"),
-    "lr_params_feed_name": ("str", "Learning_Rate"),
+    "lr_params_feed_name": ("str", LEARNING_RATE),
     "model_after_graph_transforms_path": ("str", ""),
     "model_with_gradient_graph_path": ("str", ""),
     "model_with_training_graph_path": ("str", ""),
@@ -125,7 +127,7 @@ OPTIONS = {
 }
 
 _ORT_OPTIMIZERS = {"sgdoptimizer": "SGDOptimizer", "adamoptimizer": "AdamOptimizer", "lamboptimizer": "LambOptimizer"}
-_PLAIN_OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "adagrad")
+_PLAIN_OPTIMIZERS = tuple(OPTIMIZERS)  # gradbuilder's own names (training.stages.optimizer)
 _STATE = "optimizer_initial_state"
 
 

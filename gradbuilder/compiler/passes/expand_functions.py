@@ -14,10 +14,10 @@ import onnx.inliner
 from onnx import helper
 
 from .. import registry
+from ...dtypes import FLOAT_TENSOR_TYPES as _FLOATS
 from ...errors import UnsupportedOpError
 
 _DOMAIN = "gradbuilder.expanded"
-_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
 def _carries(node: onnx.NodeProto, reached: set[str]) -> bool:

@@ -11,27 +11,20 @@ they were (a micro-step whose gradients are not finite is dropped).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx_ir as ir
 
 from ...compiler.passes import guarded, named_output, new_input
 from ...interface import ACCUMULATION_STEP, grad_accum, updated
+from . import Appended
 
 COUNTER = ACCUMULATION_STEP
 
 
-@dataclasses.dataclass
-class Accumulation:
-    grads: dict[str, ir.Value]  # what the optimizer sees (the sum on the last micro-step)
-    last: ir.Value  # bool scalar: this micro-step completes the accumulation
-    inputs: list[ir.Value]
-    outputs: list[ir.Value]
-
-
 def accumulate(e, weights: list[ir.Value], grads: dict[str, ir.Value], steps: int,
-               keep: ir.Value | None = None) -> Accumulation:
+               keep: ir.Value | None = None) -> Appended:
+    """``grads``: the sum on the last micro-step; ``apply``: this micro-step completes the
+    accumulation."""
     counter = new_input(e, COUNTER, ir.DataType.INT64, [])
     done = e.Add(counter, e.const(np.array(1, np.int64)))
     last = e.Equal(done, e.const(np.array(steps, np.int64)))
@@ -47,4 +40,4 @@ def accumulate(e, weights: list[ir.Value], grads: dict[str, ir.Value], steps: in
     if keep is not None:
         last = e.And(last, keep)
     outputs = buffers + [named_output(e, next_counter, updated(COUNTER), counter)]
-    return Accumulation(summed, last, inputs, outputs)
+    return Appended(summed, inputs, outputs, apply=last)

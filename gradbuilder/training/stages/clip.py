@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from . import Appended
 
-def clip_by_global_norm(e, weights: list[ir.Value], grads: dict[str, ir.Value], max_norm: float) -> dict[str, ir.Value]:
+
+def clip_by_global_norm(e, weights: list[ir.Value], grads: dict[str, ir.Value], max_norm: float) -> Appended:
     squares = [e.CastLike(e.reduce("ReduceSumSquare", grads[w.name], None, keepdims=False), weights[0])
                for w in weights]
     total = e.Sqrt(e.op("Sum", *squares) if len(squares) > 1 else squares[0])
     like = weights[0]
     coef = e.Div(e.scalar(float(max_norm), like), e.Add(total, e.scalar(1e-6, like)))
     coef = e.Min(coef, e.scalar(1.0, like))
-    return {w.name: e.Mul(grads[w.name], e.CastLike(coef, w)) for w in weights}
+    return Appended({w.name: e.Mul(grads[w.name], e.CastLike(coef, w)) for w in weights})

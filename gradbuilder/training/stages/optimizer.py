@@ -1,48 +1,51 @@
-"""The optimizer update, appended after the gradients, in standard ONNX operators.
+"""The optimizers, appended after the gradients as the update in standard ONNX operators.
 
 Numerics follow ``torch.optim`` step for step. The update reads two graph inputs shared by
 every weight, the learning rate (``lr_name``, float scalar) and the number of updates done so
 far (``step_name``, int64 scalar; torch's ``step`` is this plus one), and per weight its
 state tensors as inputs named ``<weight>.<state>``; it returns ``<weight>.updated``,
-``<weight>.<state>.updated`` and ``<step_name>.updated``. States per optimizer:
+``<weight>.<state>.updated`` and ``<step_name>.updated``.
 
-    sgd      momentum_buffer (only with momentum != 0)
-    adam     exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)     L2 weight decay
-    adamw    exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)     decoupled weight decay
-    adagrad  sum
-    lamb     exp_avg, exp_avg_sq
+Each optimizer is one entry of OPTIMIZERS (an :class:`Optimizer`: its options with their
+defaults, the states one weight carries, their first value, and the step), registered next
+to its step function below. TrainingParameters, generate_artifacts and the command line
+read their names and options from it: adding an optimizer is writing its step and its entry.
+
+numpy and onnx_ir are imported where the update is built: the command line's help lists
+the optimizers without loading them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import numpy as np
-import onnx_ir as ir
+from typing import Callable
 
 from ...errors import InvalidArgumentError
-from ...compiler.passes import guarded, named_output, new_input
 from ...interface import state_of, updated
+from . import Appended
 
-DEFAULTS = {
-    "sgd": {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
-    "adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "bias_correction": True},
-    "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False, "bias_correction": True},
-    "lamb": {"betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True,
-             "ratio_min": float("-inf"), "ratio_max": float("inf")},
-    "adagrad": {"lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
-}
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    name: str
+    torch: str  # the torch.optim class whose numerics the step follows
+    defaults: dict  # every option, with its default
+    states: Callable[[dict], list[str]]  # options -> the state tensors one weight carries
+    step: Callable  # (e, w, g, lr, t, states, options) -> (new weight, {state: new value})
+    fills: Callable[[dict], float] = lambda options: 0.0  # options -> every state's first value
+
+
+OPTIMIZERS: dict[str, Optimizer] = {}
+
+
+def register(optimizer: Optimizer) -> Optimizer:
+    OPTIMIZERS[optimizer.name] = optimizer
+    return optimizer
 
 
 def state_names(name: str, options: dict) -> list[str]:
     """The state tensors one weight carries under optimizer ``name``."""
-    if name == "sgd":
-        return ["momentum_buffer"] if options["momentum"] else []
-    if name == "lamb":
-        return ["exp_avg", "exp_avg_sq"]
-    if name in ("adam", "adamw"):
-        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if options["amsgrad"] else [])
-    return ["sum"]
+    return OPTIMIZERS[name].states(options)
 
 
 # States that may be stored in half precision (``use_fp16_moments``): the first moments. The
@@ -57,18 +60,20 @@ def state_dtype_of(state: str, weight_dtype, half):
     return half if half is not None and state in HALF_STATES else weight_dtype
 
 
-def initial_state(name: str, options: dict, weight: np.ndarray, half=None) -> dict[str, np.ndarray]:
+def initial_state(name: str, options: dict, weight, half=None) -> dict:
     """Each state's first value, in its stored type (see HALF_STATES; ``half`` a numpy dtype)."""
-    fill = options.get("initial_accumulator_value", 0.0) if name == "adagrad" else 0.0
+    import numpy as np
+
+    fill = OPTIMIZERS[name].fills(options)
     return {s: np.full(weight.shape, fill, dtype=state_dtype_of(s, weight.dtype, half))
             for s in state_names(name, options)}
 
 
 def resolve(name: str, options: dict | None) -> dict:
     """``options`` over the optimizer's defaults; unknown names are an error."""
-    if name not in DEFAULTS:
-        raise InvalidArgumentError(f"unknown optimizer '{name}'; choose one of {sorted(DEFAULTS)}")
-    merged = dict(DEFAULTS[name])
+    if name not in OPTIMIZERS:
+        raise InvalidArgumentError(f"unknown optimizer '{name}'; choose one of {sorted(OPTIMIZERS)}")
+    merged = dict(OPTIMIZERS[name].defaults)
     for key, value in (options or {}).items():
         if key not in merged:
             raise InvalidArgumentError(
@@ -77,21 +82,19 @@ def resolve(name: str, options: dict | None) -> dict:
     return merged
 
 
-@dataclasses.dataclass
-class Update:
-    inputs: list[ir.Value]  # lr, step, then every state
-    outputs: list[ir.Value]  # updated weights, then updated states, then the updated step
-
-
-def add_optimizer(e, weights: list[ir.Value], grads: dict[str, ir.Value], name: str, options: dict,
-                  lr_name: str, step_name: str, apply: ir.Value | None = None,
-                  state_dtype: ir.DataType | None = None, per_weight: dict[str, dict] | None = None) -> Update:
-    """Append the update of every weight (``grads`` maps weight name -> gradient value).
+def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_name: str, step_name: str,
+                  apply=None, state_dtype=None, per_weight: dict[str, dict] | None = None) -> Appended:
+    """Append the update of every weight (ir.Values; ``grads`` maps weight name -> gradient).
     ``per_weight`` gives some weights options of their own (as torch's parameter groups);
     the others take ``options``. With ``apply`` (a bool scalar) the update takes effect only
     where it is true: otherwise weights, states and the step count come out unchanged
     (gradient accumulation, skipped steps). With ``state_dtype`` the first moments
     (HALF_STATES) are stored in that type (float16 moments) and computed in the weight's."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from ...compiler.passes import guarded, named_output, new_input
+
     options = resolve(name, options)
     lr = new_input(e, lr_name, ir.DataType.FLOAT, [])
     step = new_input(e, step_name, ir.DataType.INT64, [])
@@ -102,13 +105,14 @@ def add_optimizer(e, weights: list[ir.Value], grads: dict[str, ir.Value], name: 
         states = {s: new_input(e, state_of(w.name, s), state_dtype_of(s, w.dtype, state_dtype), w.shape)
                   for s in state_names(name, own)}
         inputs.extend(states.values())
-        updated, updated_states = STEPS[name](e, w, grads[w.name], e.CastLike(lr, w), e.CastLike(t, w),
+        new, new_values = OPTIMIZERS[name].step(e, w, grads[w.name], e.CastLike(lr, w), e.CastLike(t, w),
                                               {s: e.CastLike(v, w) for s, v in states.items()}, own)
-        new_weights.append(named_output(e, guarded(e, apply, updated, w), updated(w.name), w))
-        new_states += [named_output(e, guarded(e, apply, e.CastLike(updated_states[s], states[s]), states[s]),
+        new_weights.append(named_output(e, guarded(e, apply, new, w), updated(w.name), w))
+        new_states += [named_output(e, guarded(e, apply, e.CastLike(new_values[s], states[s]), states[s]),
                                     updated(states[s].name), states[s]) for s in states]
     step_out = named_output(e, guarded(e, apply, t, step), updated(step_name), step)
-    return Update(inputs, new_weights + new_states + [step_out])
+    # inputs: lr, step, then every state; outputs: the weights, the states, the step
+    return Appended({}, inputs, new_weights + new_states + [step_out])
 
 
 def _scalar(e, value: float, like: ir.Value) -> ir.Value:
@@ -209,4 +213,22 @@ def _adagrad(e, w, g, lr, t, states, o):
     return e.Sub(w, e.Mul(clr, step)), {"sum": total}
 
 
-STEPS = {"sgd": _sgd, "adam": _adam, "adamw": _adamw, "adagrad": _adagrad, "lamb": _lamb}
+# ----------------------------------------------------------------------------- the registry
+_ADAM = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "bias_correction": True}
+
+
+def _adam_states(o):
+    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if o["amsgrad"] else [])
+
+
+register(Optimizer("sgd", "SGD", {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0},
+                   lambda o: ["momentum_buffer"] if o["momentum"] else [], _sgd))
+register(Optimizer("adam", "Adam", _ADAM, _adam_states, _adam))  # L2 weight decay
+register(Optimizer("adamw", "AdamW", {**_ADAM, "weight_decay": 1e-2}, _adam_states, _adamw))  # decoupled decay
+register(Optimizer("lamb", "onnxruntime's LambOptimizer",
+                   {"betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True,
+                    "ratio_min": float("-inf"), "ratio_max": float("inf")},
+                   lambda o: ["exp_avg", "exp_avg_sq"], _lamb))
+register(Optimizer("adagrad", "Adagrad",
+                   {"lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
+                   lambda o: ["sum"], _adagrad, fills=lambda o: o["initial_accumulator_value"]))
