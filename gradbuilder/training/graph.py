@@ -156,6 +156,22 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         """The optimizer options of ``weight`` (its own, or the shared ones)."""
         return self.per_weight_options.get(weight, self.optimizer_options)
 
+    def _weight_specs(self) -> dict[str, np.ndarray]:
+        """Each weight as an array of its dtype and shape (its initializer, or a zero-strided
+        view standing for a graph input of fixed shape)."""
+        proto = modelio.read_proto(self._source, self.base_dir)
+        specs = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer
+                 if t.name in self.weights and not t.external_data}
+        for i in proto.graph.input:
+            dims = i.type.tensor_type.shape.dim
+            if i.name in self.weights and i.name not in specs and all(d.HasField("dim_value") for d in dims):
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+                specs[i.name] = np.broadcast_to(np.zeros((), dtype), [d.dim_value for d in dims])
+        for t in proto.graph.initializer:  # in external data: shape and type from the metadata
+            if t.name in self.weights and t.name not in specs:
+                specs[t.name] = np.broadcast_to(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(t.data_type)), t.dims)
+        return specs
+
     def state_names_of(self, weight: str) -> list[str]:
         """The optimizer states ``weight`` carries (``W.<state>`` inputs)."""
         return state_names(self.optimizer, self.options_of(weight))
@@ -170,15 +186,14 @@ class TrainingGraphBuilder(GradientGraphBuilder):
     def initial_state(self, weights: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Feeds for the first step: every optimizer state (zeros, or Adagrad's initial
         accumulator) and ``Step`` = 0; the learning rate is the caller's. The states take the
-        weights' shapes and types from ``weights`` (default: the model's initializers)."""
-        if weights is None:
-            proto = modelio.load_proto(self._source, self.base_dir)  # external data resolved
-            weights = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in self.weights}
-        values = weights
+        weights' shapes and types from ``weights`` (default: the model's initializers, or its
+        graph inputs' declared types)."""
+        values = weights if weights is not None else self._weight_specs()
         feeds: dict[str, np.ndarray] = {self.step_name: np.array(0, np.int64)}
         missing = [w for w in self.weights if w not in values]
         if missing:
-            raise InvalidArgumentError(f"initial_state needs the weights as initializers; {missing} are not")
+            raise InvalidArgumentError(f"initial_state needs the weights' shapes; {missing} are graph inputs "
+                                       "whose shapes are not all fixed sizes: give them initializers")
         for w in self.weights:
             seeded = self.seed_state.get(w, {})
             dtype = np.float16 if self.state_dtype == ir.DataType.FLOAT16 else None
