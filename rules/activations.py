@@ -8,8 +8,6 @@ follows PyTorch's convention.
 
 import math
 
-import onnx_ir as ir
-
 from gradbuilder.compiler.registry import attr, constant_of, optional_input, register
 
 
@@ -21,18 +19,9 @@ def _output(n, i):
     return n.outputs[i] if len(n.outputs) > i and n.outputs[i].name else None
 
 
-def _where(e, cond, a, b):
-    """``Where(cond, a, b)``. Where takes bfloat16 only from opset 16; before, blend with a
-    0/1 mask instead."""
-    if e.opset >= 16 or ir.DataType.BFLOAT16 not in (a.dtype, b.dtype):
-        return e.Where(cond, a, b)
-    m = e.CastLike(cond, a)
-    return e.Add(e.Mul(m, a), e.Mul(e.Sub(e.scalar(1.0, a), m), b))
-
-
 def _keep(e, cond, v):
     """``v`` where ``cond``, else 0."""
-    return _where(e, cond, v, e.scalar(0.0, v))
+    return e.where(cond, v, e.scalar(0.0, v))
 
 
 def _c(e, value, like):
@@ -120,7 +109,7 @@ def leaky_relu(n, dys, needs, e):
     (x,) = n.inputs
     (dy,) = dys
     alpha = attr(n, "alpha", 0.01)
-    return (_where(e, e.Less(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, alpha, x)), dy),)
+    return (e.where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, alpha, x)), dy),)
 
 
 @register("Elu")
@@ -130,7 +119,7 @@ def elu(n, dys, needs, e):
     (y,) = n.outputs
     (dy,) = dys
     alpha = attr(n, "alpha", 1.0)
-    return (_where(e, e.Less(x, _c(e, 0.0, x)), e.Mul(dy, e.Add(y, _c(e, alpha, y))), dy),)
+    return (e.where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, e.Add(y, _c(e, alpha, y))), dy),)
 
 
 @register("Selu")
@@ -142,7 +131,7 @@ def selu(n, dys, needs, e):
     (dy,) = dys
     alpha = attr(n, "alpha", 1.67326319217681884765625)
     gamma = attr(n, "gamma", 1.05070102214813232421875)
-    return (_where(e, e.Greater(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, gamma, x)),
+    return (e.where(e.Greater(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, gamma, x)),
                    e.Mul(dy, e.Add(y, _c(e, gamma * alpha, y)))),)
 
 
@@ -165,7 +154,7 @@ def hard_swish(n, dys, needs, e):
     (x,) = n.inputs
     (dy,) = dys
     middle = e.Mul(dy, e.Add(e.Mul(x, _c(e, 1.0 / 3.0, x)), _c(e, 0.5, x)))
-    upper = _where(e, e.Greater(x, _c(e, 3.0, x)), dy, middle)
+    upper = e.where(e.Greater(x, _c(e, 3.0, x)), dy, middle)
     return (_keep(e, e.Not(e.Less(x, _c(e, -3.0, x))), upper),)
 
 
@@ -223,7 +212,7 @@ def dropout(n, dys, needs, e):
     if ratio_wanted:
         per = e.Div(e.Mul(dy, y), e.Sub(_c(e, 1.0, y), e.CastLike(ratio, y)))
         if train_c is None:
-            per = _where(e, training, per, _c(e, 0.0, y))
+            per = e.where(training, per, _c(e, 0.0, y))
         dratio = e.CastLike(e.reduce("ReduceSum", per, None, keepdims=False), ratio)
     return (_dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c), dratio)
 
@@ -235,14 +224,14 @@ def _dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c):
         r = e.CastLike(ratio, x)
         scale = e.Div(_c(e, 1.0, x), e.Sub(_c(e, 1.0, x), r))
     if train_c is None:
-        scale = _where(e, training, scale, _c(e, 1.0, x))
+        scale = e.where(training, scale, _c(e, 1.0, x))
     scaled = e.Mul(dy, scale)
     mask = _output(n, 1)
     if mask is not None:
         return _keep(e, mask, scaled)
     zero = _c(e, 0.0, x)
     kept = _keep(e, e.Not(e.Equal(y, zero)), scaled)
-    return _where(e, e.Equal(x, zero), dy, kept)
+    return e.where(e.Equal(x, zero), dy, kept)
 
 
 # ----------------------------------------------------------------------------- linear

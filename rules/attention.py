@@ -42,7 +42,7 @@ import onnx_ir as ir
 from gradbuilder.compiler.autodiff import captures, walk
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
-from gradbuilder.rules.shape import (
+from gradbuilder.rules.sizes import (
     INT64_MAX,
     Dims,
     accumulation_type,

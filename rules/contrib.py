@@ -32,10 +32,10 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
 from gradbuilder.rules.linalg import matmul
-from gradbuilder.rules.shape import cast_to, static_dims
+from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
+from gradbuilder.rules.sizes import cast_to, static_dims
 
 MS = "com.microsoft"
-_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -63,20 +63,9 @@ def _sum_to(e, g, like):
     if d is not None and len(d) == 1 and not static_dims(dims_of(g)):
         last = e.ints([-1, d[0]]) if isinstance(d[0], int) else e.Concat(e.ints([-1]), e.Shape(like), axis=0)
         out = e.reduce("ReduceSum", e.Reshape(g, last), [0], keepdims=False)
-        e._set(out, like.dtype, d)
+        e.typed(out, like.dtype, d)
         return out
     return e.unbroadcast(g, like)
-
-
-def _trailing_axes(e, x, axis):
-    """The axes [axis, rank): a list when the rank is known or axis < 0, else a Range value."""
-    d = dims_of(x)
-    if d is not None:
-        return list(range(axis % len(d), len(d))) if d else []
-    if axis < 0:
-        return list(range(axis, 0))
-    rank = e.Size(e.Shape(x))
-    return e.Range(e.const(np.array(axis, np.int64)), rank, e.const(np.array(1, np.int64)))
 
 
 # ----------------------------------------------------------------------------- GELU family
@@ -217,75 +206,6 @@ def fused_matmul(n, dys, needs, e):
 # ----------------------------------------------------------------------------- normalizations
 
 
-def _compute_type(x, stash=ir.DataType.FLOAT):
-    """The dtype the statistics are computed in: ``stash`` for 16-bit x, else x's own."""
-    if x.dtype in _HALF and stash.itemsize > x.dtype.itemsize:
-        return stash
-    return x.dtype
-
-
-def _as_dtype_of(e, v, like):
-    """``v`` (int64) cast to ``like``'s dtype; float when that is unknown before opset 15 (as
-    ``e.scalar`` assumes)."""
-    if like.dtype is not None or e.opset >= 15:
-        return e.CastLike(v, like)
-    return e.Cast(v, to=int(ir.DataType.FLOAT))
-
-
-def _count(e, like, axes):
-    """M, the number of elements of ``like`` over ``axes``, in ``like``'s dtype."""
-    d = dims_of(like)
-    if isinstance(axes, list) and d is not None and all(isinstance(d[a], int) for a in axes):
-        return _c(e, float(np.prod([d[a] for a in axes])), like)
-    index = e.ints(axes) if isinstance(axes, list) else axes
-    sizes = e.Gather(e.Shape(like), index, axis=0)
-    return _as_dtype_of(e, e.reduce("ReduceProd", sizes, None, keepdims=False), like)
-
-
-def _mean(e, v, axes):
-    """Mean over ``axes`` (keepdims): ReduceMean for static axes, else ReduceSum / M."""
-    if isinstance(axes, list) or e.opset >= 18:
-        return e.reduce("ReduceMean", v, axes, keepdims=True)
-    return e.Div(e.reduce("ReduceSum", v, axes, keepdims=True), _count(e, v, axes))
-
-
-class _Norm:
-    """Statistics of ``s`` over ``axes``: mu = mean(s), r = 1/sqrt(mean((s - mu)^2) + eps) and
-    xhat = (s - mu) r; with ``centered=False`` (RMS norm) mu is 0: r = 1/sqrt(mean(s^2) + eps)."""
-
-    def __init__(self, e, s, axes, eps, centered):
-        self.e, self.axes, self.centered = e, axes, centered
-        d = e.Sub(s, _mean(e, s, axes)) if centered else s
-        self.r = e.Reciprocal(e.Sqrt(e.Add(_mean(e, e.Mul(d, d), axes), _c(e, eps, s))))
-        self.xhat = e.Mul(d, self.r)
-
-    def backward(self, g, dmu=None, dr=None):
-        """ds from g = dxhat and the gradients of mu and r (each may be None), with M the
-        number of elements per statistic:
-        ds = r (g - mean(g) - xhat mean(g xhat)) + (dmu - dr r^2 xhat)/M
-        (no mean(g) and no dmu for RMS norm)."""
-        e, xhat, r = self.e, self.xhat, self.r
-        ds = None
-        if g is not None:
-            inner = e.Sub(g, e.Mul(xhat, _mean(e, e.Mul(g, xhat), self.axes)))
-            if self.centered:
-                inner = e.Sub(inner, _mean(e, g, self.axes))
-            ds = e.Mul(r, inner)
-        extra = None
-        if dmu is not None and self.centered:
-            extra = dmu
-        if dr is not None:
-            part = e.Mul(e.Mul(dr, e.Mul(r, r)), xhat)
-            extra = e.Neg(part) if extra is None else e.Sub(extra, part)
-        if extra is not None:
-            extra = e.Div(extra, _count(e, xhat, self.axes))
-            if ds is None:
-                ds = e.expand_like(extra, xhat) if dr is None else extra  # dmu alone is per row
-            else:
-                ds = e.Add(ds, extra)
-        return ds
-
-
 def _skip_norm(n, dys, needs, e, centered):
     """The SkipLayerNormalization family: s = input + skip (+ bias), y = xhat(s) gamma (+ beta)
     over the last axis; outputs y, mean, inv_std_var, input_skip_bias_sum = s."""
@@ -297,11 +217,11 @@ def _skip_norm(n, dys, needs, e, centered):
     s = e.Add(x, skip)
     if bias is not None:
         s = e.Add(s, bias)
-    e._set(s, x.dtype, dims_of(x))
+    e.typed(s, x.dtype, dims_of(x))
     ds = xhat = None
     if dy is not None or dmu is not None or dr is not None:
-        ct = _compute_type(x)
-        st = _Norm(e, cast_to(e, s, ct), [-1], float(attr(n, "epsilon", 1e-12)), centered)
+        ct = compute_type(x)
+        st = Moments(e, cast_to(e, s, ct), [-1], float(attr(n, "epsilon", 1e-12)), centered, form="mean")
         xhat = st.xhat
         g = cast_to(e, e.Mul(dy, gamma), ct) if dy is not None else None
         ds = cast_to(e, st.backward(g, cast_to(e, dmu, ct), cast_to(e, dr, ct)), x.dtype)
@@ -350,9 +270,9 @@ def _simplified_layer_norm(n, dys, needs, e):
     dscale = dY xhat summed to scale's shape."""
     x, scale = n.inputs[:2]
     dy, dr = _padded(dys, 2)
-    ct = _compute_type(x, ir.DataType(attr(n, "stash_type", 1)))
-    st = _Norm(e, cast_to(e, x, ct), _trailing_axes(e, x, attr(n, "axis", -1)),
-               float(attr(n, "epsilon", 1e-5)), centered=False)
+    ct = compute_type(x, ir.DataType(attr(n, "stash_type", 1)))
+    st = Moments(e, cast_to(e, x, ct), trailing_axes(e, x, attr(n, "axis", -1)),
+                 float(attr(n, "epsilon", 1e-5)), centered=False, form="mean")
     dx = dscale = None
     if needs[0]:
         g = e.Mul(cast_to(e, dy, ct), cast_to(e, scale, ct)) if dy is not None else None
@@ -400,9 +320,9 @@ def bias_softmax(n, dys, needs, e):
     axis = int(attr(n, "axis", 1))
     inner = attr(n, "is_inner_broadcast", None)
     inner = True if inner is None else bool(inner)  # the older form (broadcast_axis) is inner
-    axes = _trailing_axes(e, x, axis)
+    axes = trailing_axes(e, x, axis)
     dz = e.Mul(y, e.Sub(dy, e.reduce("ReduceSum", e.Mul(dy, y), axes, keepdims=True)))
-    e._set(dz, x.dtype, dims_of(x))
+    e.typed(dz, x.dtype, dims_of(x))
     db = None
     if needs[1]:
         elems = _row_size(e, x, axis)
@@ -417,5 +337,5 @@ def bias_softmax(n, dys, needs, e):
             shape3 = e.Concat(rows, e.ints([-1]), ev, axis=0) if inner else e.Concat(e.ints([-1]), rows, ev, axis=0)
             summed = e.reduce("ReduceSum", e.Reshape(dz, shape3), [1 if inner else 0], keepdims=False)
             db = e.Reshape(summed, e.Shape(b))
-        e._set(db, b.dtype, bd)
+        e.typed(db, b.dtype, bd)
     return [dz if needs[0] else None, db]

@@ -59,7 +59,7 @@ def _as_outputs(g: ir.Graph, grads: list[ir.Value], likes: list[ir.Value], sub, 
     for k, (grad, like) in enumerate(zip(grads, likes)):
         if grad.producer() is None or grad.producer().graph is not g or grad in outputs:
             grad = sub.Identity(grad)  # a subgraph output must be produced inside the subgraph
-        sub._set(grad, like.dtype, None)
+        sub.typed(grad, like.dtype, None)
         shape = shapes[k] if shapes is not None else like.shape
         if shape is not None:
             grad.shape = shape
@@ -120,7 +120,7 @@ def if_(n, dys, needs, e):
     outs = outs if isinstance(outs, tuple) else (outs,)
     by_value = dict(zip(wanted, outs))
     for v, o in by_value.items():
-        e._set(o, v.dtype, None)
+        e.typed(o, v.dtype, None)
     return [by_value.get(v) if need else None for v, need in zip(ins, needs)]
 
 
@@ -212,7 +212,7 @@ def _reverse_scan(n, e, at, *, carried, feeds, scan_seeds, slice_grads, outer):
     for k, (like, r) in enumerate(zip(outer_likes, ranks)):
         if r is None:  # back to the shape of the value it is the gradient of
             outs[k] = at.Reshape(outs[k], at.Shape(like))
-        at._set(outs[k], like.dtype, None)
+        at.typed(outs[k], like.dtype, None)
     k = len(carried)
     return outs[:k], outs[k + len(outer):], outs[k:k + len(outer)]
 
@@ -237,7 +237,7 @@ def _if_any_trip(e, trips: ir.Value, ran, skipped, likes: list[ir.Value]) -> lis
     outs = e.op("If", ran_any, outputs=len(likes), then_branch=branches[0], else_branch=branches[1])
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     for o, like in zip(outs, likes):
-        e._set(o, like.dtype, None)
+        e.typed(o, like.dtype, None)
     return outs
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register
-from gradbuilder.rules.shape import (
+from gradbuilder.rules.sizes import (
     Dims,
     accumulation_type,
     as_int64,

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, broadcast_dims, constant_of, dims_of, register, unknown_rank
-from gradbuilder.rules.shape import INT64_MAX, iadd, isub, reshape_like, vec
+from gradbuilder.rules.sizes import INT64_MAX, iadd, isub, reshape_like, vec
 
 
 def _rank(v, op):
@@ -287,7 +287,7 @@ def _einsum(e, pairs, labels):
     """einsum of (value, term) ``pairs`` producing ``labels``, with its static shape recorded."""
     eq = ",".join("".join(t) for _, t in pairs) + "->" + "".join(labels)
     out = e.Einsum(*[v for v, _ in pairs], equation=eq)
-    e._set(out, pairs[0][0].dtype, _result_dims(pairs, labels))
+    e.typed(out, pairs[0][0].dtype, _result_dims(pairs, labels))
     return out
 
 
@@ -343,7 +343,7 @@ def _einsum_grad(e, n, dy, i, terms, out, fresh):
             seen.add(lab)
             out_sub.append(lab)
     res = e.Einsum(*[v for v, _ in pairs], equation=",".join("".join(t) for _, t in pairs) + "->" + "".join(out_sub))
-    e._set(res, x.dtype, dims_of(x))
+    e.typed(res, x.dtype, dims_of(x))
     return res
 
 

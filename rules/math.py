@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
-from gradbuilder.rules.shape import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec
+from gradbuilder.rules.sizes import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -14,9 +14,9 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
-from gradbuilder.rules.conv import conv_transpose_fitted, dim, is_static, reshape, window_axes
-
-_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
+from gradbuilder.rules.sizes import cast_to, dim, is_static, reshape_to
+from gradbuilder.rules.windows import conv_transpose_fitted, window_axes
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -131,17 +131,6 @@ def lrn(n, dys, needs, e):
 # ----------------------------------------------------------------------------- RMSNormalization
 
 
-def _trailing_axes(e, x, axis):
-    """[axis, rank): a list when the rank is known (or axis < 0), else a Range computed at run time."""
-    d = dims_of(x)
-    if d is not None:
-        return list(range(axis % len(d), len(d)))
-    if axis < 0:
-        return list(range(axis, 0))
-    rank = e.Size(e.shape(x))
-    return e.Range(e.const(np.array(axis, np.int64)), rank, e.const(np.array(1, np.int64)))
-
-
 @register("RMSNormalization", since=23)
 def rms_normalization(n, dys, needs, e):
     """y = xhat * scale, xhat = x * r, r = 1 / sqrt(mean(x^2) + eps) over axes [axis, rank),
@@ -149,18 +138,15 @@ def rms_normalization(n, dys, needs, e):
     dx = r * (g - xhat * mean(g * xhat)) with g = dy * scale;  dscale = unbroadcast(dy * xhat)."""
     x, scale = n.inputs
     (dy,) = dys
-    stash = ir.DataType(attr(n, "stash_type", 1))
-    ct = stash if x.dtype in _HALF and stash.itemsize > x.dtype.itemsize else x.dtype
-    xc = e.Cast(x, to=int(ct)) if ct is not None and ct != x.dtype else x
-    axes = _trailing_axes(e, x, attr(n, "axis", -1))
-    r = e.Reciprocal(e.Sqrt(e.Add(_mean(e, e.Mul(xc, xc), axes), _c(e, attr(n, "epsilon", 1e-5), xc))))
-    xhat = e.Mul(xc, r)
+    xc = cast_to(e, x, compute_type(x, attr(n, "stash_type", 1)))
+    st = Moments(e, xc, trailing_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5), centered=False,
+                 form="mean")
     dx = dscale = None
     if needs[1]:
-        dscale = e.unbroadcast(e.Mul(dy, e.CastLike(xhat, dy)), scale)
+        dscale = e.unbroadcast(e.Mul(dy, e.CastLike(st.xhat, dy)), scale)
     if needs[0]:
         g = e.CastLike(e.Mul(dy, e.CastLike(scale, dy)), xc)
-        dx = e.CastLike(e.Mul(r, e.Sub(g, e.Mul(xhat, _mean(e, e.Mul(g, xhat), axes)))), x)
+        dx = e.CastLike(st.backward(g), x)
     return dx, dscale
 
 
@@ -219,10 +205,10 @@ def lp_pool(n, dys, needs, e):
     w = _window_weight(e, dy, y, p)
     wd = dims_of(w)
     lead = wd[0] * wd[1] if wd is not None and is_static(*wd[:2]) else -1
-    planes = reshape(e, w, [lead, 1] + [dim(e, w, i) for i in range(2, rank)])
+    planes = reshape_to(e, w, [lead, 1] + [dim(e, w, i) for i in range(2, rank)])
     ones = e.const(np.ones([1, 1] + kernel), dtype=x.dtype or ir.DataType.FLOAT)
     g = conv_transpose_fitted(e, planes, ones, kernel, [a.begin for a in axes], [a.size for a in axes],
                               [a.stride for a in axes], [a.dilation for a in axes])
     xd = dims_of(x)
-    g = reshape(e, g, list(xd), like=x) if xd is not None and is_static(*xd) else e.Reshape(g, e.Shape(x))
+    g = reshape_to(e, g, list(xd), like=x) if xd is not None and is_static(*xd) else e.Reshape(g, e.Shape(x))
     return (e.Mul(_lp_local(e, x, p), g),)

@@ -33,7 +33,7 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.registry import attr, register, register_stop_gradient_edges
 from gradbuilder.rules.indexing import _segment_sum
-from gradbuilder.rules.shape import Dims, imul, iprod, reshape_like, scalar_of
+from gradbuilder.rules.sizes import Dims, imul, iprod, reshape_like, scalar_of
 
 F32 = ir.DataType.FLOAT
 I64 = ir.DataType.INT64

@@ -14,6 +14,7 @@ Mean and InvStdDev). dscale = sum(dy*xhat) and dB = sum(dy) over the broadcast a
 
 BatchNormalization, InstanceNormalization and GroupNormalization work on x reshaped to
 (N, C, L) (or (N, G, L) for the groups), so the statistics axes are static whatever the rank.
+The statistics and the backward through them are :class:`gradbuilder.rules.norm_stats.Moments`.
 """
 
 import numpy as np
@@ -21,20 +22,10 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, dims_of, register
-from gradbuilder.rules.shape import cast_to, static_dims
-
-_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-
+from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
+from gradbuilder.rules.sizes import cast_to, static_dims
 
 # ----------------------------------------------------------------------------- shared pieces
-
-
-def _compute_type(x, stash=int(ir.DataType.FLOAT)):
-    """The dtype of the statistics: ``stash`` for 16-bit x when it is wider, else x's dtype."""
-    stash = ir.DataType(stash)
-    if x.dtype in _HALF and stash.itemsize > x.dtype.itemsize:
-        return stash
-    return x.dtype
 
 
 def _grouped(e, v, like, groups=0):
@@ -50,61 +41,13 @@ def _ungrouped(e, v, like):
     """``v`` reshaped back to the shape of ``like``."""
     dims = dims_of(like)
     out = e.reshape(v, list(dims)) if static_dims(dims) else e.Reshape(v, e.shape(like))
-    e._set(out, v.dtype, dims)
+    e.typed(out, v.dtype, dims)
     return out
 
 
 def _per_channel(e, v, like):
     """A (C,) vector as (C, 1), to broadcast against (N, C, L), in the dtype of ``like``."""
     return e.unsqueeze(e.CastLike(v, like), [1])
-
-
-def _count(e, x, axes, reduced):
-    """M, the number of elements each statistic is taken over, as a scalar of x's dtype."""
-    dims = dims_of(x)
-    if isinstance(axes, list) and dims is not None and all(isinstance(dims[a], int) for a in axes):
-        return e.scalar(float(np.prod([dims[a] for a in axes])), x)
-    return e.CastLike(e.Div(e.Size(x), e.Size(reduced)), x)
-
-
-class _Stats:
-    """mu, r = 1/sqrt(var + eps) and xhat of ``x`` over ``axes`` (a list or an int64 value)."""
-
-    def __init__(self, e, x, axes, eps):
-        self.e, self.axes = e, axes
-        total = e.reduce("ReduceSum", x, axes, keepdims=True)
-        self.count = _count(e, x, axes, total)
-        self.mu = e.Div(total, self.count)
-        d = e.Sub(x, self.mu)
-        var = self.mean(e.Mul(d, d))
-        self.r = e.Reciprocal(e.Sqrt(e.Add(var, e.scalar(eps, x))))
-        self.xhat = e.Mul(d, self.r)
-
-    def mean(self, v):
-        return self.e.Div(self.e.reduce("ReduceSum", v, self.axes, keepdims=True), self.count)
-
-    def backward(self, dxhat, dmu=None, dr=None, dvar=None):
-        """dx from the gradients of xhat, mu, r and var = mean((x-mu)^2) (any may be None):
-        dvar adds 2*dvar*(x - mu)/M = 2*dvar*xhat/(r*M)."""
-        e, xhat, r = self.e, self.xhat, self.r
-        terms = []
-        if dxhat is not None:
-            centered = e.Sub(e.Sub(dxhat, self.mean(dxhat)), e.Mul(xhat, self.mean(e.Mul(dxhat, xhat))))
-            terms.append(e.Mul(r, centered))
-        extra = None
-        if dmu is not None:
-            extra = e.CastLike(dmu, xhat)
-        if dr is not None:
-            dvar_term = e.Mul(e.Mul(e.CastLike(dr, xhat), e.Mul(r, r)), xhat)
-            extra = e.Neg(dvar_term) if extra is None else e.Sub(extra, dvar_term)
-        if dvar is not None:
-            var_term = e.Mul(e.Div(e.Mul(e.CastLike(dvar, xhat), e.scalar(2.0, xhat)), r), xhat)
-            extra = var_term if extra is None else e.Add(extra, var_term)
-        if extra is not None:
-            terms.append(e.expand_like(e.Div(extra, self.count), xhat) if not terms else e.Div(extra, self.count))
-        if not terms:
-            return None
-        return terms[0] if len(terms) == 1 else e.Add(terms[0], terms[1])
 
 
 def _sum_nl(e, v):
@@ -135,13 +78,13 @@ def _batch_norm(n, dys, needs, e, training):
         return [None] * 5
     eps = attr(n, "epsilon", 1e-5)
     momentum = attr(n, "momentum", 0.9)
-    ct = _compute_type(x)
+    ct = compute_type(x)
     x3 = _grouped(e, cast_to(e, x, ct), x)
     dy3 = _grouped(e, cast_to(e, dy, ct), x) if dy is not None else None
     scale_c = _per_channel(e, scale, x3)
     dx = dscale = db = dmean = dvar = None
     if training:
-        s = _Stats(e, x3, [0, 2], eps)
+        s = Moments(e, x3, [0, 2], eps)
         xhat = s.xhat
         if needs[0]:
             rest = e.scalar(1.0 - momentum, x3)
@@ -205,16 +148,6 @@ def batch_norm(n, dys, needs, e):
 # ----------------------------------------------------------------------------- LayerNormalization
 
 
-def _layer_axes(e, x, axis):
-    dims = dims_of(x)
-    if dims is not None:
-        return list(range(axis % len(dims) if len(dims) else 0, len(dims)))
-    if axis < 0:
-        return list(range(axis, 0))
-    rank = e.Size(e.shape(x))
-    return e.Range(e.const(np.array(axis, dtype=np.int64)), rank, e.const(np.array(1, dtype=np.int64)))
-
-
 @register("LayerNormalization", since=17)
 def layer_norm(n, dys, needs, e):
     """LayerNormalization-17: statistics over axes [axis, rank); Y = xhat*Scale + B,
@@ -224,8 +157,8 @@ def layer_norm(n, dys, needs, e):
     x, scale = n.inputs[:2]
     b = n.inputs[2] if len(n.inputs) > 2 else None
     dy, dmu, dr = (list(dys) + [None, None])[:3]
-    xc = cast_to(e, x, _compute_type(x, attr(n, "stash_type", 1)))
-    s = _Stats(e, xc, _layer_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5))
+    xc = cast_to(e, x, compute_type(x, attr(n, "stash_type", 1)))
+    s = Moments(e, xc, trailing_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5))
     dx = dscale = db = None
     if dy is not None:
         xhat = e.CastLike(s.xhat, x)
@@ -250,9 +183,9 @@ def _grouped_norm(n, dys, needs, e, groups, per_group_affine, stash):
     (dy,) = dys[:1]
     if dy is None:
         return None, None, None
-    ct = _compute_type(x, stash)
+    ct = compute_type(x, stash)
     xg = _grouped(e, cast_to(e, x, ct), x, groups)
-    s = _Stats(e, xg, [2], attr(n, "epsilon", 1e-5))
+    s = Moments(e, xg, [2], attr(n, "epsilon", 1e-5))
     if per_group_affine:
         dy_a = _grouped(e, dy, x, groups)
         xhat_a = e.CastLike(s.xhat, x)

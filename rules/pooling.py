@@ -15,21 +15,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
-from gradbuilder.rules.conv import (
-    add,
-    conv_fitted,
-    conv_transpose_fitted,
-    dim,
-    fit,
-    frame_of,
-    is_static,
-    known,
-    mul,
-    reshape,
-    sub,
-    vec,
-    window_axes,
-)
+from gradbuilder.rules.sizes import dim, iadd, imul, is_static, isub, known, reshape_to, stack
+from gradbuilder.rules.windows import conv_fitted, conv_transpose_fitted, fit, frame_of, window_axes
 
 
 def _rank(n, x, dy) -> int:
@@ -47,14 +34,14 @@ def _planes(e, v, rank):
     """(N, C, *S) -> (N*C, 1, *S)."""
     d = dims_of(v)
     lead = d[0] * d[1] if d is not None and is_static(*d[:2]) else -1
-    return reshape(e, v, [lead, 1] + [dim(e, v, i) for i in range(2, rank)])
+    return reshape_to(e, v, [lead, 1] + [dim(e, v, i) for i in range(2, rank)])
 
 
 def _unplanes(e, v, like):
     """(N*C, 1, *S) -> like's shape."""
     d = dims_of(like)
     if d is not None and is_static(*d):
-        return reshape(e, v, list(d), like=like)
+        return reshape_to(e, v, list(d), like=like)
     return e.Reshape(v, e.Shape(like))
 
 
@@ -91,10 +78,10 @@ def _counts_static(axes, include_pad: bool):
 
 def _counts_dynamic(e, axes, include_pad: bool, like):
     """The same counts from ops: a ones tensor over the counted positions, summed per window."""
-    lengths = [add(e, a.size, add(e, a.begin, a.end)) if include_pad else a.size for a in axes]
-    starts = [0 if include_pad else sub(e, 0, a.begin) for a in axes]
+    lengths = [iadd(e, a.size, iadd(e, a.begin, a.end)) if include_pad else a.size for a in axes]
+    starts = [0 if include_pad else isub(e, 0, a.begin) for a in axes]
     one = e.scalar(1.0, like)
-    ones = e.Expand(one, vec(e, [1, 1] + lengths))
+    ones = e.Expand(one, stack(e, [1, 1] + lengths))
     kernel = e.const(np.ones([1, 1] + [a.kernel for a in axes]), dtype=_dtype(like))
     return conv_fitted(e, ones, kernel, starts, [a.frame for a in axes],
                        [a.stride for a in axes], [a.dilation for a in axes])
@@ -192,15 +179,15 @@ def _tiles_input(axes) -> bool:
 
 def _max_pool_taps(e, x, y, dy, axes, rank):
     r = len(axes)
-    padded = fit(e, _planes(e, x, rank), [sub(e, 0, a.begin) for a in axes], [a.frame for a in axes],
+    padded = fit(e, _planes(e, x, rank), [isub(e, 0, a.begin) for a in axes], [a.frame for a in axes],
                  value=e.scalar(-np.inf, x))
     spatial = e.ints(list(range(2, r + 2)))
     steps = e.ints([a.stride for a in axes])
     taps = []
     for offset in itertools.product(*[range(a.kernel) for a in axes]):
         begin = [k * a.dilation for k, a in zip(offset, axes)]
-        end = [add(e, b, frame_of(e, a.out, a.stride, 1)) for b, a in zip(begin, axes)]
-        taps.append(e.Slice(padded, vec(e, begin), vec(e, end), spatial, steps))
+        end = [iadd(e, b, frame_of(e, a.out, a.stride, 1)) for b, a in zip(begin, axes)]
+        taps.append(e.Slice(padded, stack(e, begin), stack(e, end), spatial, steps))
     n_taps = len(taps)
     cols = e.Concat(*taps, axis=1) if n_taps > 1 else taps[0]  # (N*C, taps, *out)
     hit = e.Equal(cols, _planes(e, y, rank))
@@ -269,11 +256,11 @@ def max_unpool(n, dys, needs, e):
     pads = [int(p) for p in (attr(n, "pads") or [0] * (2 * r))]
     out_shape = n.inputs[2] if len(n.inputs) > 2 else None
     if out_shape is not None:  # cut dy to the default shape the indices address
-        default = [add(e, sub(e, mul(e, sub(e, dim(e, x, 2 + i), 1), strides[i]), pads[i] + pads[r + i]), kernel[i])
+        default = [iadd(e, isub(e, imul(e, isub(e, dim(e, x, 2 + i), 1), strides[i]), pads[i] + pads[r + i]), kernel[i])
                    for i in range(r)]
         dd = dims_of(dy)
         if not (dd is not None and is_static(*default) and list(dd[2:]) == default):
-            dy = e.Slice(dy, e.ints([0] * r), vec(e, default), e.ints(list(range(2, rank))))
+            dy = e.Slice(dy, e.ints([0] * r), stack(e, default), e.ints(list(range(2, rank))))
     flat_i = e.Reshape(ind, e.ints([-1]))
     picked = e.Gather(e.Reshape(dy, e.ints([-1])), flat_i, axis=0)
     count = e.Size(x)

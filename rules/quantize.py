@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
-from gradbuilder.rules.shape import Dims, pad_axis, reshape_like
+from gradbuilder.rules.sizes import Dims, pad_axis, reshape_like
 
 # x types whose zero point is 0 by definition (the reference ignores it)
 _ZERO_POINT_FREE = {

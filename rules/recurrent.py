@@ -138,15 +138,6 @@ def _act_derivative(e, act, x, y):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _split(e, v, parts, axis):
-    """``v`` in ``parts`` equal pieces along ``axis`` (opset-aware Split)."""
-    if parts == 1:
-        return [v]
-    if e.opset >= 18:
-        return list(e.op("Split", v, outputs=parts, axis=axis, num_outputs=parts))
-    return list(e.op("Split", v, outputs=parts, axis=axis))
-
-
 def _transposed(e, v, rank=3):
     """The last two axes of ``v`` (of rank ``rank``) swapped."""
     return e.Transpose(v, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
@@ -222,7 +213,7 @@ class _Unrolled:
         self.Wt = _transposed(e, self.W)
         self.Rt = _transposed(e, self.R)
         if self.B is not None:
-            self.Wb, self.Rb = (e.unsqueeze(b, [1]) for b in _split(e, self.B, 2, 1))
+            self.Wb, self.Rb = (e.unsqueeze(b, [1]) for b in e.split(self.B, 2, 1))
         else:
             self.Wb = self.Rb = None
         self._steps = {}
@@ -258,7 +249,7 @@ class _Unrolled:
             return self.flip(v)
         if shared:
             return self.e.Concat(v, self.flip(v), axis=1)
-        fwd, bwd = _split(self.e, v, 2, 1)
+        fwd, bwd = self.e.split(v, 2, 1)
         return self.e.Concat(fwd, self.flip(bwd), axis=1)
 
     def steps(self, v):
@@ -266,7 +257,7 @@ class _Unrolled:
         if v is None:
             return [None] * self.T
         if v not in self._steps:
-            self._steps[v] = _split(self.e, v, self.T, 0)
+            self._steps[v] = self.e.split(v, self.T, 0)
         return self._steps[v]
 
     def stack(self, items):
@@ -298,13 +289,13 @@ class _Unrolled:
         return hr if self.Rb is None else self.e.Add(hr, self.Rb)
 
     def gate_split(self, v):
-        return _split(self.e, v, self.G, -1) if self.G > 1 else [v]
+        return self.e.split(v, self.G, -1) if self.G > 1 else [v]
 
     def _per_direction(self, fn, slot, x):
         acts = [self.acts[d][slot] for d in range(self.D)]
         if self.D == 1 or acts[0] == acts[1]:
             return fn(acts[0], x)
-        parts = [fn(act, xd) for act, xd in zip(acts, _split(self.e, x, 2, 1))]
+        parts = [fn(act, xd) for act, xd in zip(acts, self.e.split(x, 2, 1))]
         if isinstance(parts[0], tuple):
             return tuple(self.e.Concat(*ps, axis=1) for ps in zip(*parts))
         return self.e.Concat(*parts, axis=1)
@@ -422,7 +413,7 @@ def gru(n, dys, needs, e):
         ah = e.Add(xh, e.Mul(r, hh))
         Qr = e.Mul(hh, rd)  # dar = dah * Qr
     else:
-        Rz, Rr, Rh = _split(e, u.R, 3, 1)
+        Rz, Rr, Rh = e.split(u.R, 3, 1)
         Rzr = e.Concat(Rz, Rr, axis=1)
         rH = e.Mul(r, u.Hp)
         ah = e.Add(xh, e.MatMul(rH, _transposed(e, Rh)))
@@ -474,7 +465,7 @@ def lstm(n, dys, needs, e):
     g, gd = u.activate_with_derivative(Ac, 1)
     pi = po = pf = None
     if u.P is not None:
-        pi, po, pf = (e.unsqueeze(p, [1]) for p in _split(e, u.P, 3, 1))  # [D, 1, H]
+        pi, po, pf = (e.unsqueeze(p, [1]) for p in e.split(u.P, 3, 1))  # [D, 1, H]
 
     def input_forget_gates(ai, af, derivatives):
         """(i, f_) or ((i, i'), (f_, f_')): f_ = 1 - i with input_forget."""

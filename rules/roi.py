@@ -34,9 +34,7 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, dims_of, register
-from gradbuilder.rules.conv import arange as _arange
-from gradbuilder.rules.conv import dim, is_static, mul, vec
-from gradbuilder.rules.conv import prod as _prod
+from gradbuilder.rules.sizes import arange, dim, imul, is_static, stack
 
 
 def _text(n, name, default):
@@ -76,7 +74,7 @@ class _Axis:
             self.count = e.Reshape(e.Max(top, e.const(np.array(1, np.int64))), e.ints([1]))
             exist_grid = self.grid
         g = self.count  # G: samples per bin on this axis (an int, or a 1-element tensor)
-        i = _arange(e, g, like)  # (G,)
+        i = arange(e, g, like)  # (G,)
         gridc = e.unsqueeze(e.unsqueeze(e.Max(self.grid, f(1.0)), [-1]), [-1]) if ratio <= 0 else f(ratio)
         p = e.const(np.arange(pooled).reshape(pooled, 1), dtype=like.dtype or ir.DataType.FLOAT)  # (P, 1)
         self.coef = e.Add(p, e.Div(e.Add(i, f(0.5)), gridc))  # (R|1, P, G)
@@ -105,27 +103,27 @@ class _Axis:
     def matrix(self, e, like, collapse):
         """(R, K, size) rows: K = P (collapse: the sum of the bin's existing samples, for avg)
         or K = P*G*2 (every sample corner, for max)."""
-        onehot = e.CastLike(e.Equal(e.unsqueeze(self.pos, [-1]), _arange(e, self.size)), like)  # (R,P,G,2,S)
+        onehot = e.CastLike(e.Equal(e.unsqueeze(self.pos, [-1]), arange(e, self.size)), like)  # (R,P,G,2,S)
         w = self.w
         if collapse and self.exists is not None:
             w = e.Mul(w, e.unsqueeze(e.CastLike(self.exists, like), [1, 3]))
         m = e.Mul(onehot, e.unsqueeze(w, [-1]))
         if collapse:
             return e.reduce("ReduceSum", m, [2, 3], keepdims=False)
-        return e.Reshape(m, vec(e, [0, -1, self.size]))
+        return e.Reshape(m, stack(e, [0, -1, self.size]))
 
     def roi_grads(self, e, gm, collapse, like):
         """(dL/dlo, dL/dhi), each (R,), from dL/dM (gm: (R, K, size))."""
         p, g = self.pooled, self.count
         if collapse:  # gw[r, p, i, a] = gA[r, p, pos[r, p, i, a]] for existing samples
-            idx = e.Reshape(self.pos, vec(e, [0, p, -1]))
-            gw = e.Reshape(e.GatherElements(gm, idx, axis=2), vec(e, [0, p, g, 2]))
+            idx = e.Reshape(self.pos, stack(e, [0, p, -1]))
+            gw = e.Reshape(e.GatherElements(gm, idx, axis=2), stack(e, [0, p, g, 2]))
             if self.exists is not None:
                 gw = e.Mul(gw, e.unsqueeze(e.CastLike(self.exists, like), [1, 3]))
         else:
             idx = e.Reshape(self.pos, e.ints([0, -1, 1]))
-            gw = e.Reshape(e.GatherElements(gm, idx, axis=2), vec(e, [0, p, g, 2]))
-        lowg, highg = e.op("Split", gw, outputs=2, axis=3, **_split_args(e))
+            gw = e.Reshape(e.GatherElements(gm, idx, axis=2), stack(e, [0, p, g, 2]))
+        lowg, highg = e.split(gw, 2, axis=3)
         dy = e.Mul(self.slope, e.squeeze(e.Sub(highg, lowg), [3]))  # (R, P, G)
         dstart = e.reduce("ReduceSum", dy, [1, 2], keepdims=False)
         dlength = e.Div(e.reduce("ReduceSum", e.Mul(dy, self.coef), [1, 2], keepdims=False),
@@ -134,10 +132,6 @@ class _Axis:
             dlength = e.Mul(dlength, self.stretch)
         s = e.scalar(self.scale, like)
         return e.Mul(e.Sub(dstart, dlength), s), e.Mul(dlength, s)
-
-
-def _split_args(e):
-    return {"num_outputs": 2} if e.opset >= 18 else {}
 
 
 @register("RoiAlign")
@@ -169,11 +163,11 @@ def roi_align(n, dys, needs, e):
     my = ay.matrix(e, like, collapse)  # (R, Ky, H)
     mx = ax.matrix(e, like, collapse)  # (R, Kx, W)
     # (N, R) one-hot of the batch element each roi reads
-    onehot_b = e.CastLike(e.Equal(e.unsqueeze(_arange(e, big_n), [1]), e.unsqueeze(batch, [0])), like)
+    onehot_b = e.CastLike(e.Equal(e.unsqueeze(arange(e, big_n), [1]), e.unsqueeze(batch, [0])), like)
     # X as (C, N*H, W), and My spread over the batch: Myb[r, k, (n, h)] = onehot_b[n, r] * My[r, k, h]
-    xc = e.Reshape(e.Transpose(xx, perm=[1, 0, 2, 3]), vec(e, [c, -1, w]))
+    xc = e.Reshape(e.Transpose(xx, perm=[1, 0, 2, 3]), stack(e, [c, -1, w]))
     myb = e.Reshape(e.Mul(e.unsqueeze(my, [2]), e.unsqueeze(e.Transpose(onehot_b, perm=[1, 0]), [1, 3])),
-                    vec(e, [0, 0, -1]))  # (R, Ky, N*H)
+                    stack(e, [0, 0, -1]))  # (R, Ky, N*H)
 
     if collapse:  # count = max(grid_h * grid_w, 1) per roi
         if is_static(ay.count, ax.count):  # sampling_ratio > 0
@@ -185,44 +179,44 @@ def roi_align(n, dys, needs, e):
         u = e.MatMul(e.unsqueeze(myb, [1]), xc)  # (R, C, Ky, W)
         v = e.MatMul(u, e.unsqueeze(e.Transpose(mx, perm=[0, 2, 1]), [1]))  # (R, C, Ky, Kx)
         gy, gx = ay.count, ax.count
-        split = vec(e, [0, 0, ph, gy, 2, pw, gx, 2])
+        split = stack(e, [0, 0, ph, gy, 2, pw, gx, 2])
         v8 = e.Transpose(e.Reshape(v, split), perm=[0, 1, 2, 5, 3, 4, 6, 7])  # (R, C, P, Q, G, 2, G', 2)
-        flat = vec(e, [0, 0, ph, pw, -1])
+        flat = stack(e, [0, 0, ph, pw, -1])
         cand = e.Reshape(v8, flat)
         exists = None
         if ay.exists is not None:  # sampling_ratio 0: (R, 1, 1, 1, S), whether sample (i, j) exists
             pair = e.And(e.unsqueeze(ay.exists, [2, 3, 4]), e.unsqueeze(ax.exists, [1, 2, 4]))  # (R, G, 1, G', 1)
-            pair = e.Expand(pair, vec(e, [1, gy, 2, gx, 2]))
+            pair = e.Expand(pair, stack(e, [1, gy, 2, gx, 2]))
             exists = e.unsqueeze(e.Reshape(pair, e.ints([0, -1])), [1, 2, 3])
             cand = e.Where(exists, cand, e.scalar(-np.inf, like))
         best = e.ArgMax(cand, axis=-1, keepdims=1)
-        hit = e.Equal(_arange(e, e.shape(cand, 4)), best)
+        hit = e.Equal(arange(e, e.shape(cand, 4)), best)
         if exists is not None:
             hit = e.And(hit, exists)
         dcand = e.Mul(e.CastLike(hit, like), e.unsqueeze(dy, [-1]))  # (R, C, P, Q, S)
-        d8 = e.Reshape(dcand, vec(e, [0, 0, ph, pw, gy, 2, gx, 2]))
+        d8 = e.Reshape(dcand, stack(e, [0, 0, ph, pw, gy, 2, gx, 2]))
         d = e.Reshape(e.Transpose(d8, perm=[0, 1, 2, 4, 5, 3, 6, 7]),
-                      vec(e, [0, 0, mul(e, gy, 2 * ph), mul(e, gx, 2 * pw)]))  # (R, C, Ky, Kx)
+                      stack(e, [0, 0, imul(e, gy, 2 * ph), imul(e, gx, 2 * pw)]))  # (R, C, Ky, Kx)
 
     t = e.MatMul(d, e.unsqueeze(mx, [1]))  # (R, C, Ky, W)
     dx = None
     if needs[0]:
         # dX[n, c, h, w] = sum_{r, k} Myb[r, k, (n, h)] t[r, c, k, w]
         lb = e.Reshape(e.Transpose(myb, perm=[2, 0, 1]), e.ints([0, -1]))  # (N*H, R*Ky)
-        tc = e.Reshape(e.Transpose(t, perm=[1, 0, 2, 3]), vec(e, [c, -1, w]))  # (C, R*Ky, W)
-        g = e.Reshape(e.MatMul(lb, tc), vec(e, [c, big_n, h, w]))
+        tc = e.Reshape(e.Transpose(t, perm=[1, 0, 2, 3]), stack(e, [c, -1, w]))  # (C, R*Ky, W)
+        g = e.Reshape(e.MatMul(lb, tc), stack(e, [c, big_n, h, w]))
         dx = e.CastLike(e.Transpose(g, perm=[1, 0, 2, 3]), x)
     drois = None
     if needs[1]:
         # dL/dMy[r, k, h] = sum_n onehot_b[n, r] sum_{c, w} t[r, c, k, w] X[n, c, h, w]
         tk = e.Reshape(e.Transpose(t, perm=[0, 2, 1, 3]), e.ints([0, 0, -1]))  # (R, Ky, C*W)
-        xw = e.Reshape(e.Transpose(xx, perm=[1, 3, 0, 2]), vec(e, [-1, _prod(e, big_n, h)]))  # (C*W, N*H)
+        xw = e.Reshape(e.Transpose(xx, perm=[1, 3, 0, 2]), stack(e, [-1, imul(e, big_n, h)]))  # (C*W, N*H)
         gmy = _batch_pick(e, e.MatMul(tk, xw), onehot_b, big_n, h)  # (R, Ky, H)
         # dL/dMx[r, k', w] = sum_{c, k} d[r, c, k, k'] u[r, c, k, w], u = My X_b
         if collapse:
             u = e.MatMul(e.unsqueeze(myb, [1]), xc)  # (R, C, Ky, W)
         dk = e.Reshape(e.Transpose(d, perm=[0, 3, 1, 2]), e.ints([0, 0, -1]))  # (R, Kx, C*Ky)
-        uk = e.Reshape(u, vec(e, [0, -1, w]))  # (R, C*Ky, W)
+        uk = e.Reshape(u, stack(e, [0, -1, w]))  # (R, C*Ky, W)
         gmx = e.MatMul(dk, uk)  # (R, Kx, W)
         dy_lo, dy_hi = ay.roi_grads(e, gmy, collapse, like)
         dx_lo, dx_hi = ax.roi_grads(e, gmx, collapse, like)
@@ -233,6 +227,6 @@ def roi_align(n, dys, needs, e):
 
 def _batch_pick(e, q, onehot_b, big_n, h):
     """q[r, k, (n, h)] -> sum_n onehot_b[n, r] q[r, k, n, h]: (R, K, H)."""
-    q4 = e.Reshape(q, vec(e, [0, 0, big_n, h]))
+    q4 = e.Reshape(q, stack(e, [0, 0, big_n, h]))
     sel = e.unsqueeze(e.Transpose(onehot_b, perm=[1, 0]), [1, 3])  # (R, 1, N, 1)
     return e.reduce("ReduceSum", e.Mul(q4, sel), [2], keepdims=False)

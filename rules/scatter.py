@@ -32,7 +32,7 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register
-from gradbuilder.rules.shape import Dims, accumulation_type, as_int64, cast_to, reshape_like, scalar_of, vec, zeros
+from gradbuilder.rules.sizes import Dims, accumulation_type, as_int64, cast_to, reshape_like, scalar_of, vec, zeros
 
 
 def _ordinals(e, like):

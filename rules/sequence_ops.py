@@ -28,7 +28,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from gradbuilder.compiler.registry import attr, optional_input, register
-from gradbuilder.rules.shape import INT64_MAX, Dims, cast_to, iadd, isub, reverse, scalar_of, stack
+from gradbuilder.rules.sizes import INT64_MAX, Dims, cast_to, iadd, isub, reverse, scalar_of, stack
 
 
 def _taps(e, x, length, k):

@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.compiler.registry import attr, constant_of, optional_input, register
-from gradbuilder.rules.shape import (
+from gradbuilder.rules.sizes import (
     Dims,
     accumulation_type,
     as_int64,
@@ -50,16 +50,6 @@ def _typed(e, values, like):
 def _conj(e, v):
     """Complex conjugate of (re, im) pairs on the last axis."""
     return e.Mul(v, _typed(e, [1.0, -1.0], v))
-
-
-def _dft(e, v, axis, inverse=0, onesided=0):
-    """The DFT op along ``axis`` (an int, or a 1-element int64 tensor from opset 20) in the
-    model opset's form: the axis is an attribute before opset 20, an input from then on."""
-    flags = {"inverse": inverse or None, "onesided": onesided or None}
-    if e.opset < 20:
-        return e.DFT(v, axis=axis, **flags)
-    axis_v = e.const(np.array(axis, np.int64)) if isinstance(axis, int) else e.reshape(axis, [])
-    return e.DFT(v, None, axis_v, **flags)
 
 
 def _fit(e, v, axis, have, want, rank):
@@ -154,13 +144,13 @@ def dft(n, dys, needs, e):
         count = imul(e, isub(e, length, 1), 2) if irfft else length
     bins = iadd(e, idiv(e, count, 2), 1)
     if irfft:
-        spectrum = _conj(e, _dft(e, dy, raw_axis, inverse=1))
+        spectrum = _conj(e, e.dft(dy, raw_axis, inverse=1))
         trailing = isub(e, isub(e, dims.rank_value(), axis), 1)
         g = e.Mul(_fit(e, spectrum, axis, count, bins, rank), _irfft_weights(e, count, bins, trailing, dy))
         have = bins
     else:
         g = _fit(e, dy, axis, bins, count, rank) if onesided else dy
-        g = _dft(e, _conj(e, g), raw_axis, inverse=inverse)
+        g = e.dft(_conj(e, g), raw_axis, inverse=inverse)
         g = g if is_one(parts) else _conj(e, g)  # a real x drops the imaginary part anyway
         have = count
     return (_as_parts(e, _fit(e, g, axis, have, length, rank), parts),)
@@ -198,7 +188,7 @@ def stft(n, dys, needs, e):
         # does nothing at run time; it gives the padded dy the static size W either way.
         g = pad_axis(e, g, 4, 2, 0, isub(e, width, iadd(e, idiv(e, width, 2), 1)))
         g = e.Slice(g, e.ints([0]), vec(e, width), e.ints([2]))
-    g = _dft(e, _conj(e, g), 2)
+    g = e.dft(_conj(e, g), 2)
     parts = sd[2]
     dz = _as_parts(e, g if is_one(parts) else _conj(e, g), parts)  # (B, F, W, C)
 

@@ -8,7 +8,7 @@ entries of y as 0 so that none spreads through the backward graph either.
 import onnx_ir as ir
 
 from gradbuilder.compiler.registry import attr, register
-from gradbuilder.rules.shape import cast_to
+from gradbuilder.rules.sizes import cast_to
 
 
 def _sum(e, n, v):

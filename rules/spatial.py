@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
-from gradbuilder.rules.shape import (
+from gradbuilder.rules.sizes import (
     HALF_TYPES,
     Dims,
     accumulation_type,

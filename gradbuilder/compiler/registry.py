@@ -284,15 +284,17 @@ class Emitter:
 
     ``e.Mul(a, b)`` emits a ``Mul`` node and returns its output; ``e.op("Split", x,
     outputs=2, axis=0)`` is the general form. Helpers hide opset differences
-    (``reduce``, ``squeeze``, ``unsqueeze``, ``split``) and reverse broadcasting
-    (``unbroadcast``).
+    (``reduce``, ``squeeze``, ``unsqueeze``, ``split``, ``where``, ``dft``, ``reshape``'s
+    allowzero, ``shape``'s start/end) and reverse broadcasting (``unbroadcast``).
+    ``typed`` records a value's dtype and shape where the emitter's light inference cannot;
+    ``used_names`` is the set of names taken in the model (shared with child emitters).
     """
 
     def __init__(self, graph: ir.Graph, opset: int, used_names: set[str] | None = None):
         self.graph = graph
         self.opset = opset
         self.scope = ""
-        self._used = used_names if used_names is not None else collect_names(graph)
+        self.used_names = used_names if used_names is not None else collect_names(graph)
         self._counter = 0
         self._consts: dict[tuple, ir.Value] = {}
         self.nodes: list[ir.Node] = []
@@ -300,22 +302,22 @@ class Emitter:
     def child(self, graph: ir.Graph) -> "Emitter":
         """An emitter for a subgraph (a control-flow body): names stay unique across scopes;
         constants are the subgraph's own."""
-        sub = Emitter(graph, self.opset, self._used)
+        sub = Emitter(graph, self.opset, self.used_names)
         sub.scope = self.scope
         return sub
 
     # names ---------------------------------------------------------------------------
     def unique(self, hint: str) -> str:
         name = hint
-        while name in self._used:
+        while name in self.used_names:
             self._counter += 1
             name = f"{hint}__{self._counter}"
-        self._used.add(name)
+        self.used_names.add(name)
         return name
 
     def reserve(self, *names: str) -> None:
         """Mark ``names`` as taken (values named by hand, or by a pass outside the emitter)."""
-        self._used.update(names)
+        self.used_names.update(names)
 
     # nodes ---------------------------------------------------------------------------
     def op(self, op_type: str, *inputs, domain: str = "", outputs: int = 1, name: str | None = None, **attrs):
@@ -431,8 +433,43 @@ class Emitter:
         stop = end if end is not None else 2**62
         return self.op("Slice", full, self.ints([start or 0]), self.ints([stop]), self.ints([0]))
 
-    def reshape(self, x: ir.Value, shape) -> ir.Value:
-        return self.op("Reshape", x, shape if isinstance(shape, ir.Value) else self.ints(shape))
+    def reshape(self, x: ir.Value, shape, allowzero: bool = False) -> ir.Value:
+        """Reshape ``x`` to ``shape`` (a list or an int64 value). ``allowzero``: a 0 in shape
+        means an empty axis, not a copy of x's dim; the attribute exists from opset 14, before
+        which it is left out."""
+        shape = shape if isinstance(shape, ir.Value) else self.ints(shape)
+        if allowzero and self.opset >= 14:
+            return self.op("Reshape", x, shape, allowzero=1)
+        return self.op("Reshape", x, shape)
+
+    def split(self, x: ir.Value, parts: int, axis: int = 0, sizes=None) -> list[ir.Value]:
+        """``x`` in ``parts`` pieces along ``axis``: equal pieces (Split's num_outputs attribute
+        from opset 18, implied by the output count before), or of ``sizes`` (an int64 value, given
+        as Split's input)."""
+        if sizes is not None:
+            return list(self.op("Split", x, sizes, outputs=parts, axis=axis))
+        if parts == 1:
+            return [x]
+        if self.opset >= 18:
+            return list(self.op("Split", x, outputs=parts, axis=axis, num_outputs=parts))
+        return list(self.op("Split", x, outputs=parts, axis=axis))
+
+    def where(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+        """``Where(cond, a, b)``. Where takes bfloat16 only from opset 16; before, a blend with a
+        0/1 mask instead."""
+        if self.opset >= 16 or ir.DataType.BFLOAT16 not in (a.dtype, b.dtype):
+            return self.op("Where", cond, a, b)
+        m = self.CastLike(cond, a)
+        return self.Add(self.Mul(m, a), self.Mul(self.Sub(self.scalar(1.0, a), m), b))
+
+    def dft(self, x: ir.Value, axis, inverse: int = 0, onesided: int = 0) -> ir.Value:
+        """DFT of ``x`` along ``axis`` (an int, or a 1-element int64 value from opset 20), no
+        dft_length: the axis is an attribute before opset 20, an input from then on."""
+        flags = {"inverse": inverse or None, "onesided": onesided or None}
+        if self.opset < 20:
+            return self.op("DFT", x, axis=axis, **flags)
+        axis_v = self.const(np.array(axis, np.int64)) if isinstance(axis, int) else self.reshape(axis, [])
+        return self.op("DFT", x, None, axis_v, **flags)
 
     def add(self, a: ir.Value | None, b: ir.Value | None) -> ir.Value | None:
         """a + b where None is zero (gradient contributions that may be absent)."""
@@ -484,7 +521,7 @@ class Emitter:
                     out = self.reduce("ReduceSum", grad, axes, keepdims=True)
                     if lead:
                         out = self.squeeze(out, list(range(lead)))
-                self._set(out, like.dtype, x)
+                self.typed(out, like.dtype, x)
                 return out
         return self._unbroadcast_dynamic(grad, like)
 
@@ -500,16 +537,19 @@ class Emitter:
         axes = self.reshape(self.op("NonZero", mask), [-1])
         summed = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
         out = self.op("Reshape", summed, xshape)
-        self._set(out, like.dtype, dims_of(like))
+        self.typed(out, like.dtype, dims_of(like))
         return out
 
     # type propagation ---------------------------------------------------------------------
     @staticmethod
-    def _set(value: ir.Value, dtype, dims) -> None:
+    def typed(value: ir.Value, dtype, dims) -> ir.Value:
+        """Record ``dtype`` and ``dims`` (ints, names or None per dim) on ``value`` where it has
+        none yet (what a rule knows and the emitter's inference does not); returns ``value``."""
         if dtype is not None and value.dtype is None:
             value.dtype = dtype
         if dims is not None and value.shape is None:
             value.shape = _to_ir_shape(dims)
+        return value
 
     def _infer(self, node: ir.Node) -> None:
         op = node.op_type
@@ -521,34 +561,34 @@ class Emitter:
         if op in _ELEMENTWISE_BINARY or op == "Where":
             data = ins[1:] if op == "Where" else ins
             dtype = next((v.dtype for v in data if v is not None and v.dtype is not None), None)
-            self._set(out, dtype, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
+            self.typed(out, dtype, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
         elif op in _COMPARE or op == "Not":
-            self._set(out, ir.DataType.BOOL, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
+            self.typed(out, ir.DataType.BOOL, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
         elif op in _UNARY_SAME:
-            self._set(out, first.dtype, dims_of(first))
+            self.typed(out, first.dtype, dims_of(first))
         elif op == "Cast":
-            self._set(out, ir.DataType(attr(node, "to")), dims_of(first))
+            self.typed(out, ir.DataType(attr(node, "to")), dims_of(first))
         elif op == "CastLike":
-            self._set(out, ins[1].dtype, dims_of(first))
+            self.typed(out, ins[1].dtype, dims_of(first))
         elif op == "Shape":
             d = dims_of(first)
             start, end = attr(node, "start", 0), attr(node, "end", None)
             n = len(d[slice(start, end)]) if d is not None else None
-            self._set(out, ir.DataType.INT64, (n,) if n is not None else None)
+            self.typed(out, ir.DataType.INT64, (n,) if n is not None else None)
         elif op == "Transpose":
             d = dims_of(first)
             perm = attr(node, "perm")
             if d is not None:
                 perm = perm if perm is not None else list(reversed(range(len(d))))
                 d = tuple(d[p] for p in perm)
-            self._set(out, first.dtype, d)
+            self.typed(out, first.dtype, d)
         elif op == "MatMul":
             a, b = dims_of(ins[0]), dims_of(ins[1])
             dims = None
             if a is not None and b is not None and len(a) >= 2 and len(b) >= 2:
                 batch = broadcast_dims(a[:-2], b[:-2])
                 dims = None if batch is None else batch + (a[-2], b[-1])
-            self._set(out, first.dtype, dims)
+            self.typed(out, first.dtype, dims)
         elif op in ("Expand", "Reshape"):
             target = constant_of(ins[1])
             dims = None
@@ -556,7 +596,7 @@ class Emitter:
                 dims = broadcast_dims(dims_of(first), tuple(int(t) for t in target))
             elif target is not None and op == "Reshape" and all(t > 0 for t in target):
                 dims = tuple(int(t) for t in target)
-            self._set(out, first.dtype, dims)
+            self.typed(out, first.dtype, dims)
         elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
                     "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceLogSum"):
             d = dims_of(first)
@@ -566,7 +606,7 @@ class Emitter:
                 keep = attr(node, "keepdims", 1)
                 ax = {int(a) % max(len(d), 1) for a in np.atleast_1d(axes)}
                 dims = tuple((1 if i in ax else x) for i, x in enumerate(d) if keep or i not in ax)
-            self._set(out, first.dtype, dims)
+            self.typed(out, first.dtype, dims)
         elif op in ("Squeeze", "Unsqueeze"):
             d = dims_of(first)
             axes = constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
@@ -581,16 +621,16 @@ class Emitter:
                     ax = {a % r for a in ax}
                     it = iter(d)
                     dims = tuple(1 if i in ax else next(it) for i in range(r))
-            self._set(out, first.dtype, dims)
+            self.typed(out, first.dtype, dims)
         elif op in ("ConstantOfShape",):
             v = attr(node, "value")
-            self._set(out, ir.DataType.FLOAT if v is None else ir.tensor(v).dtype, None)
+            self.typed(out, ir.DataType.FLOAT if v is None else ir.tensor(v).dtype, None)
         elif op in ("NonZero", "ArgMax", "ArgMin", "Size"):
-            self._set(out, ir.DataType.INT64, () if op == "Size" else None)
+            self.typed(out, ir.DataType.INT64, () if op == "Size" else None)
         elif op in _DATA_FIRST and first is not None:
             outs = node.outputs if op == "Split" else node.outputs[:1]
             for o in outs:
-                self._set(o, first.dtype, None)
+                self.typed(o, first.dtype, None)
 
 
 def _attr(name: str, v) -> ir.Attr:

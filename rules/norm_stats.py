@@ -1,0 +1,136 @@
+"""Normalization statistics shared by the normalization rules (normalization.py, contrib.py,
+misc_norm.py).
+
+Over the normalized axes (M elements)::
+
+    mu = mean(x), r = 1/sqrt(mean((x - mu)^2) + eps), xhat = (x - mu) r
+
+(``centered=False``, RMS normalization: mu = 0, r = 1/sqrt(mean(x^2) + eps), xhat = x r), and
+the standard backward, with g = dxhat and the gradients dmu, dr, dvar arriving at outputs that
+expose mu, r or the variance::
+
+    dx = r (g - mean(g) - xhat mean(g xhat)) + (dmu - dr r^2 xhat + 2 dvar xhat / r)/M
+
+(no mean(g) and no dmu when not centered).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from gradbuilder.compiler.registry import dims_of
+from gradbuilder.rules.sizes import HALF_TYPES, cast_to
+
+
+def compute_type(x, stash=ir.DataType.FLOAT):
+    """The dtype the statistics are computed in: ``stash`` (a DataType or its int) for 16-bit
+    x when it is wider, else x's own dtype."""
+    stash = ir.DataType(stash)
+    if x.dtype in HALF_TYPES and stash.itemsize > x.dtype.itemsize:
+        return stash
+    return x.dtype
+
+
+def trailing_axes(e, x, axis):
+    """The axes [axis, rank) of ``x``: a list when the rank is known (or axis < 0), else a
+    Range computed at run time."""
+    d = dims_of(x)
+    if d is not None:
+        return list(range(axis % len(d), len(d))) if d else []
+    if axis < 0:
+        return list(range(axis, 0))
+    rank = e.Size(e.Shape(x))
+    return e.Range(e.const(np.array(axis, np.int64)), rank, e.const(np.array(1, np.int64)))
+
+
+def count_over(e, like, axes, reduced=None):
+    """M, the number of elements of ``like`` over ``axes`` (a list or an int64 value), in
+    ``like``'s dtype: a constant when static; else Size(like) / Size(reduced) when a reduction
+    of ``like`` over the axes is at hand, or the product of the axes' sizes (float when like's
+    dtype is unknown before opset 15, as ``e.scalar`` assumes)."""
+    d = dims_of(like)
+    if isinstance(axes, list) and d is not None and all(isinstance(d[a], int) for a in axes):
+        return e.scalar(float(np.prod([d[a] for a in axes])), like)
+    if reduced is not None:
+        return e.CastLike(e.Div(e.Size(like), e.Size(reduced)), like)
+    index = e.ints(axes) if isinstance(axes, list) else axes
+    count = e.reduce("ReduceProd", e.Gather(e.Shape(like), index, axis=0), None, keepdims=False)
+    if like.dtype is not None or e.opset >= 15:
+        return e.CastLike(count, like)
+    return e.Cast(count, to=int(ir.DataType.FLOAT))
+
+
+class Moments:
+    """mu, r = 1/sqrt(var + eps) and xhat of ``x`` over ``axes`` (a list or an int64 value),
+    and the standard backward of a normalization by them.
+
+    ``form`` says how a mean is written; each rule keeps the form (and the order of the
+    backward's subtractions) it had before the rules shared this class, so no rule's rounding
+    changed:
+
+    * ``"sum"`` (the ai.onnx normalizations): ReduceSum / M, M = Size(x) / Size(the first
+      sum) when not static; the backward subtracts mean(g) first:
+      ``(g - mean(g)) - xhat mean(g xhat)``;
+    * ``"mean"`` (RMSNormalization, the com.microsoft normalizations): ReduceMean (ReduceSum / M
+      for axes given at run time before opset 18, where ReduceMean takes no axes input); the
+      backward subtracts the projection first: ``(g - xhat mean(g xhat)) - mean(g)``.
+    """
+
+    def __init__(self, e, x, axes, eps, centered: bool = True, form: str = "sum"):
+        if form not in ("sum", "mean"):
+            raise ValueError(f"unknown form {form!r}")
+        self.e, self.x, self.axes, self.centered, self.form = e, x, axes, centered, form
+        self._count = None
+        self.mu = self.mean(x) if centered else None
+        d = e.Sub(x, self.mu) if centered else x
+        self.r = e.Reciprocal(e.Sqrt(e.Add(self.mean(e.Mul(d, d)), e.scalar(eps, x))))
+        self.xhat = e.Mul(d, self.r)
+
+    @property
+    def count(self):
+        """M, the number of elements per statistic, in x's dtype (emitted on first use)."""
+        if self._count is None:
+            self._count = count_over(self.e, self.x, self.axes)
+        return self._count
+
+    def mean(self, v):
+        """The mean of ``v`` (shaped like x) over the axes, keepdims."""
+        e = self.e
+        if self.form == "mean" and (isinstance(self.axes, list) or e.opset >= 18):
+            return e.reduce("ReduceMean", v, self.axes, keepdims=True)
+        total = e.reduce("ReduceSum", v, self.axes, keepdims=True)
+        if self._count is None and self.form == "sum":
+            self._count = count_over(e, self.x, self.axes, total)
+        return e.Div(total, self.count)
+
+    def backward(self, g, dmu=None, dr=None, dvar=None):
+        """dx from g = dxhat and the gradients of mu, r and var = mean((x - mu)^2) (any may be
+        None; dmu counts only when centered); None when none flows."""
+        e, xhat, r = self.e, self.xhat, self.r
+        dx = None
+        if g is not None:
+            projection = lambda: e.Mul(xhat, self.mean(e.Mul(g, xhat)))  # noqa: E731
+            if not self.centered:
+                inner = e.Sub(g, projection())
+            elif self.form == "sum":
+                inner = e.Sub(e.Sub(g, self.mean(g)), projection())
+            else:
+                inner = e.Sub(e.Sub(g, projection()), self.mean(g))
+            dx = e.Mul(r, inner)
+        extra = None
+        if dmu is not None and self.centered:
+            extra = cast_to(e, dmu, xhat.dtype)
+        if dr is not None:
+            part = e.Mul(e.Mul(cast_to(e, dr, xhat.dtype), e.Mul(r, r)), xhat)
+            extra = e.Neg(part) if extra is None else e.Sub(extra, part)
+        if dvar is not None:
+            part = e.Mul(e.Div(e.Mul(cast_to(e, dvar, xhat.dtype), e.scalar(2.0, xhat)), r), xhat)
+            extra = part if extra is None else e.Add(extra, part)
+        if extra is None:
+            return dx
+        extra = e.Div(extra, self.count)
+        if dx is not None:
+            return e.Add(dx, extra)
+        # dmu alone is one value per statistic: broadcast it to x's shape
+        return e.expand_like(extra, xhat) if dr is None and dvar is None else extra
