@@ -21,13 +21,12 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import GradientRuleError
 
 Rule = Callable[..., Sequence["ir.Value | None"]]
 
-FLOAT_TYPES = frozenset(
-    {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
-)
+FLOAT_TYPES = frozenset(ir.DataType(t) for t in FLOAT_TENSOR_TYPES)  # as onnx_ir's DataType
 
 # Node metadata a pass leaves for a rule: the indices of the body inputs a Loop stores per
 # trip (``passes.store_trips``), read by the Loop rule.
