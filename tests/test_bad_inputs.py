@@ -248,6 +248,7 @@ class CNN(torch.nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
+# the tests of cnn_exports are slow: its dynamo exports take seconds (the first in a process more)
 @pytest.fixture(scope="module")
 def cnn_exports() -> dict[str, onnx.ModelProto]:
     torch.manual_seed(0)
@@ -282,6 +283,7 @@ def _logits(model):
     ("dynamo-default", "the batch size is fixed"),
     ("torchscript-default", "reads the folded constant 'onnx::Conv_"),
 ])
+@pytest.mark.slow
 def test_inference_optimized_export_warns_with_the_export_to_use(cnn_exports, export, fragment):
     model = cnn_exports[export]
     with pytest.warns(UserWarning, match="optimized for inference") as record:
@@ -301,6 +303,7 @@ def _build_reduced(model):
     return GradientGraphBuilder(model, ["fc.weight"], ["loss"], "loss").build()
 
 
+@pytest.mark.slow
 def test_dynamo_export_with_fixed_batch_says_only_that(cnn_exports):
     with pytest.warns(UserWarning, match=r"batch size is fixed \(input 'x' is \[2, 3, 8, 8\]") as record:
         _build_reduced(cnn_exports["dynamo-static-batch"])
@@ -309,6 +312,7 @@ def test_dynamo_export_with_fixed_batch_says_only_that(cnn_exports):
     assert record[0].filename == __file__
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("export", ["dynamo-for-training", "torchscript-for-training"])
 def test_export_for_training_gives_no_warning(cnn_exports, export):
     with warnings.catch_warnings():
@@ -316,6 +320,7 @@ def test_export_for_training_gives_no_warning(cnn_exports, export):
         _build_reduced(cnn_exports[export])
 
 
+@pytest.mark.slow
 def test_inference_optimized_export_warns_once_in_a_session(cnn_exports):
     model = onnx.ModelProto.FromString(cnn_exports["dynamo-default"].SerializeToString())
     model.graph.node.append(helper.make_node("ReduceMean", [_logits(model)], ["loss"], keepdims=0))

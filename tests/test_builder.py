@@ -7,13 +7,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import InvalidModelError
-from gradbuilder.testing import gradcheck, run_onnxruntime
+from gradbuilder.testing import gradcheck, ort_run
 
 from .helpers import linear_model, make_model, tensor, vi
-
-
-def run_ort(model, feeds):
-    return run_onnxruntime(model, feeds)
 
 
 def x_batch(n=5):
@@ -54,12 +50,12 @@ def test_runs_on_onnxruntime_with_initializer_defaults_and_fed_weights():
     model = linear_model()
     built = GradientGraphBuilder(model, weights=["W", "B"], outputs=["loss"], loss="loss").build().get_model()
     x = x_batch()
-    got = run_ort(built, {"x": x})  # W and B come from their initializer defaults
+    got = ort_run(built, {"x": x})  # W and B come from their initializer defaults
     gw, gb = expected_linear(model, x)
     np.testing.assert_allclose(got["W_grad"], gw, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["B_grad"], gb, rtol=1e-5, atol=1e-5)
     w2 = init(model, "W") * 2  # a training loop feeds new weights
-    got2 = run_ort(built, {"x": x, "W": w2})
+    got2 = ort_run(built, {"x": x, "W": w2})
     y = x * w2 + init(model, "B")
     np.testing.assert_allclose(got2["W_grad"], (2 * y * x).sum(0), rtol=1e-5, atol=1e-5)
 
@@ -114,7 +110,7 @@ def test_large_weights_round_trip(how, tmp_path):
     assert {t.name: numpy_helper.to_array(t).tobytes() for t in parsed.graph.initializer} == \
         {t.name: numpy_helper.to_array(t).tobytes() for t in full.graph.initializer}
     assert [n.SerializeToString() for n in parsed.graph.node] == [n.SerializeToString() for n in full.graph.node]
-    got = run_ort(src if how != "bytes" else src, {"x": x})
+    got = ort_run(src if how != "bytes" else src, {"x": x})
     g1, g2 = expected_big(model, x)
     np.testing.assert_allclose(got["W1_grad"], g1, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got["W2_grad"], g2, rtol=1e-4, atol=1e-4)
@@ -135,7 +131,7 @@ def test_weight_through_cast_and_identity_and_multiple_consumers():
     w = np.array([0.5, -1.0, 2.0], np.float32)
     model = make_model(nodes, [vi("x", [3])], [vi("loss", [], TensorProto.DOUBLE)], [tensor("W", w)])
     x = np.array([1.0, 2.0, 3.0], np.float32)
-    got = run_ort(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {"x": x})
+    got = ort_run(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {"x": x})
     assert got["W_grad"].dtype == np.float32
     np.testing.assert_allclose(got["W_grad"], 2 * x * w + np.exp(w), rtol=1e-5)
 
@@ -157,7 +153,7 @@ def test_integer_paths_and_shape_computations_get_no_gradient(static):
     inputs = [] if static else [vi("x", ["a", 3])]
     model = make_model(nodes, inputs, [vi("loss", [])], [tensor("W", np.ones((2, 3), np.float32))])
     b = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build()
-    got = run_ort(b.get_model(), {} if static else {"x": np.zeros((2, 3), np.float32)})
+    got = ort_run(b.get_model(), {} if static else {"x": np.zeros((2, 3), np.float32)})
     np.testing.assert_allclose(got["W_grad"], np.full((2, 3), 5.0))
     ops = [n.op_type for n in b.model_proto.graph.node]
     assert ("Shape" in ops) is not static  # no rule was needed for Shape, ReduceSum(int) or Cast(int)
@@ -170,7 +166,7 @@ def test_unreached_weight_gets_zero_gradient_and_warning():
     with pytest.warns(UserWarning, match="U"):
         b = GradientGraphBuilder(model, ["W", "U"], ["loss"], "loss").build()
     assert b.unreached_weights == ["U"]
-    got = run_ort(b.get_model(), {"x": np.array([3.0, 4.0], np.float32)})
+    got = ort_run(b.get_model(), {"x": np.array([3.0, 4.0], np.float32)})
     np.testing.assert_allclose(got["U_grad"], np.zeros((2, 2)))
     np.testing.assert_allclose(got["W_grad"], [3.0, 4.0])
 
@@ -180,7 +176,7 @@ def test_weight_as_graph_input_and_fully_dynamic_shapes():
     model = make_model(nodes, [vi("x", [None, None]), vi("W", [None, None])], [vi("loss", [])])
     b = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build()
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    got = run_ort(b.get_model(), {"x": x, "W": np.ones((1, 3), np.float32)})
+    got = ort_run(b.get_model(), {"x": x, "W": np.ones((1, 3), np.float32)})
     np.testing.assert_allclose(got["W_grad"], x.sum(0, keepdims=True))
 
 
@@ -189,7 +185,7 @@ def test_opsets(opset):
     b = GradientGraphBuilder(linear_model(opset=opset), ["W", "B"], ["loss"], "loss").build()
     out = b.model_proto
     assert max(i.version for i in out.opset_import if i.domain in ("", "ai.onnx")) == max(opset, 13)
-    got = run_ort(b.get_model(), {"x": x_batch()})
+    got = ort_run(b.get_model(), {"x": x_batch()})
     np.testing.assert_allclose(got["W_grad"], expected_linear(linear_model(), x_batch())[0], rtol=1e-5, atol=1e-5)
 
 
@@ -197,7 +193,7 @@ def test_float16_and_float64_weights():
     for dtype, elem in [(np.float16, TensorProto.FLOAT16), (np.float64, TensorProto.DOUBLE)]:
         nodes = [helper.make_node("Mul", ["W", "W"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
         model = make_model(nodes, [], [vi("loss", [], elem)], [tensor("W", np.array([1.0, 2.0], dtype))])
-        got = run_ort(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {})
+        got = ort_run(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {})
         assert got["W_grad"].dtype == dtype
         np.testing.assert_allclose(got["W_grad"].astype(np.float64), [2.0, 4.0])
 
@@ -220,7 +216,7 @@ def test_partial_multi_output_node_gets_none_for_unused_outputs():
     ]
     model = make_model(nodes, [], [vi("loss", [])],
                        [tensor("W", np.array([1.0, 2.0, 3.0], np.float32)), tensor("sizes", np.array([1, 2]))])
-    got = run_ort(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {})
+    got = ort_run(GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().get_model(), {})
     np.testing.assert_allclose(got["W_grad"], [2.0, 0.0, 0.0])
 
 
@@ -229,7 +225,7 @@ def test_stop_gradient_edge():
              helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
     model = make_model(nodes, [], [vi("loss", [])], [tensor("W", np.array([2.0], np.float32))])
     b = GradientGraphBuilder(model, ["W"], ["loss"], "loss", stop_gradients=["sq"]).build()
-    np.testing.assert_allclose(run_ort(b.get_model(), {})["W_grad"], [4.0])  # d(W*const)/dW = W^2
+    np.testing.assert_allclose(ort_run(b.get_model(), {})["W_grad"], [4.0])  # d(W*const)/dW = W^2
 
 
 def test_timings_recorded():
@@ -264,7 +260,7 @@ def test_memory_efficient_gradient_adds_contributions_as_they_arrive():
     eager = GradientGraphBuilder(model, ["W"], ["loss"], "loss", memory_efficient_gradient=True).build().model_proto
     assert "Sum" in [n.op_type for n in plain.graph.node[6:]]  # one Sum of the three contributions
     assert "Sum" not in [n.op_type for n in eager.graph.node[6:]]  # running Adds instead
-    np.testing.assert_allclose(run_ort(eager, {"x": x})["W_grad"], run_ort(plain, {"x": x})["W_grad"], rtol=1e-6)
+    np.testing.assert_allclose(ort_run(eager, {"x": x})["W_grad"], ort_run(plain, {"x": x})["W_grad"], rtol=1e-6)
     report = gradcheck(model, ["W"], "loss", {"x": x})
     assert report.passed, str(report)
 

@@ -54,6 +54,7 @@ def _train_until_signal(argv, signum, after_steps: int = 5):
     return child.returncode, (seen + err).decode()
 
 
+@pytest.mark.slow  # a CLI training run in a subprocess, signalled, then resumed
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_saves_a_checkpoint_that_resumes_as_one_run(files, capsys, signum):
     stopped = files / "stopped.safetensors"
@@ -83,6 +84,7 @@ def test_signal_saves_a_checkpoint_that_resumes_as_one_run(files, capsys, signum
     assert meta_a["learning_rate"] == meta_b["learning_rate"] and meta_a["properties"] == meta_b["properties"]
 
 
+@pytest.mark.slow  # a CLI training run in a subprocess
 def test_signal_without_checkpoint_saves_nothing(files):
     status, err = _train_until_signal(_common(files) + ["--steps", "100000", "-o", str(files / "t.onnx")],
                                       signal.SIGTERM, after_steps=2)

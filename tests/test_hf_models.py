@@ -24,7 +24,8 @@ def gpt2():
     return tiny_gpt2(vocab=64, positions=16)
 
 
-EXPORTERS = [pytest.param(False, 17, id="torchscript-17"), pytest.param(True, 18, id="dynamo-18")]
+# the dynamo export takes seconds (first use in a process more): slow; torchscript is the fast lane's
+EXPORTERS = [pytest.param(False, 17, id="torchscript-17"), pytest.param(True, 18, id="dynamo-18", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("dynamo,opset", EXPORTERS)

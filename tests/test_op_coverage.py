@@ -4,9 +4,12 @@ in docs/op-coverage.md (tools/op_coverage.py regenerates it)."""
 import os
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
+@pytest.mark.slow  # runs every ONNX backend node test: over a minute
 def test_coverage_does_not_drop_below_the_recorded_figure(monkeypatch):
     monkeypatch.syspath_prepend(str(TOOLS))  # importable by name in the worker processes too
     import op_coverage

@@ -107,6 +107,7 @@ def _run_ranks(out_dir: str) -> None:
                 p.join(5)
 
 
+@pytest.mark.slow  # two processes and a full training run
 def test_ddp_of_ortmodule_matches_single_process_full_batch(tmp_path):
     _run_ranks(str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

@@ -409,6 +409,7 @@ def random_models(draw):
     return model, list(dict.fromkeys(g.weights)), g.feeds, declared, [b.__name__ for b in blocks]
 
 
+@pytest.mark.slow  # 120 generated models
 @settings(derandomize=True, max_examples=120, deadline=None, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(random_models())

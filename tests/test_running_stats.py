@@ -120,7 +120,7 @@ def test_running_statistics_are_buffers_not_weights():
 
 
 @pytest.mark.parametrize("api, opset, dynamo", [("run", 17, False), ("train_step", 17, False), ("run", 13, False),
-                                                ("run", 18, True)])
+                                                pytest.param("run", 18, True, marks=pytest.mark.slow)])  # dynamo
 def test_twenty_steps_match_torch_losses_weights_and_running_statistics(api, opset, dynamo):
     """opset 13: BatchNormalization-9, in training mode by its five outputs; dynamo: torch's
     other exporter, which writes the BatchNorms in inference form."""

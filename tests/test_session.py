@@ -539,6 +539,7 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
+@pytest.mark.slow  # 45 training steps of a 4 MiB weight, measuring memory
 def test_held_outputs_do_not_keep_earlier_states_alive():
     """A loop that keeps every returned loss must not keep every step's weights and moments:
     with a 4 MiB weight, 40 held steps would otherwise hold ~480 MiB (3 copies per step)."""

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from .torch_models import compare_with_torch
 
-EXPORTERS = [pytest.param(False, 17, id="torchscript-17"), pytest.param(True, 18, id="dynamo-18")]
+# the dynamo export takes seconds (first use in a process more): slow; torchscript is the fast lane's
+EXPORTERS = [pytest.param(False, 17, id="torchscript-17"), pytest.param(True, 18, id="dynamo-18", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +61,9 @@ class CNN(nn.Module):
         pytest.param(False, 17, False, id="torchscript-17-eval"),
         # torch's dynamo exporter writes BatchNormalization in its inference form even for a
         # module in training mode; the builder puts it back in training mode
+        # (dynamo-18-train stays in the fast lane: the one dynamo export there)
         pytest.param(True, 18, True, id="dynamo-18-train"),
-        pytest.param(True, 18, False, id="dynamo-18-eval"),
+        pytest.param(True, 18, False, id="dynamo-18-eval", marks=pytest.mark.slow),
     ],
 )
 def test_cnn_batchnorm(dynamo, opset, train):

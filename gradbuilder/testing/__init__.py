@@ -7,6 +7,11 @@ differences of the loss (on sampled elements and random directions).
 ``check_op`` wraps one operator in a model whose loss is a fixed random projection of
 every float output, and gradchecks it; it also runs the float32 gradient graph on
 onnxruntime, so a rule is known to emit graphs the stock runtime loads.
+
+Helpers shared by the test suite: ``check_model`` (check_op's two checks on a prepared model),
+``ort_run``, ``ort_grad_session`` and ``ort_grads`` (onnxruntime runs), ``reference_evaluator``,
+``reference_fixes``/``reference_fix`` (the reference evaluator's op replacements) and
+``patch_reference_evaluator`` (more replacements for one pytest test).
 """
 
 from __future__ import annotations
@@ -153,9 +158,37 @@ class GradcheckReport:
         return "\n".join(lines)
 
 
+def reference_evaluator(proto: onnx.ModelProto):
+    """onnx's reference evaluator for ``proto`` with :func:`reference_fixes` installed (the one
+    :func:`gradcheck` and :func:`make_op_model` use; ``onnx.reference.ReferenceEvaluator`` is
+    looked up at call time, so a test may patch it, see :func:`patch_reference_evaluator`)."""
+    return _evaluator(proto)
+
+
 def _evaluator(proto: onnx.ModelProto):
-    """onnx's reference evaluator, with ops that round through float32 replaced by versions
-    that keep the input's precision (float64 finite differences need it): Erf, GridSample
+    """:func:`reference_evaluator` (kept under this name: tests patch it)."""
+    from onnx.reference import ReferenceEvaluator
+
+    ops = list(reference_fixes())
+
+    class Evaluator(ReferenceEvaluator):
+        """Passes the replacements on to the evaluators of function bodies (Gelu's, ...)."""
+
+        def __init__(self, proto, *args, new_ops=None, **kwargs):
+            super().__init__(proto, *args, new_ops=ops if new_ops is None else new_ops, **kwargs)
+
+    return Evaluator(proto)
+
+
+def reference_fix(name: str):
+    """The replacement OpRun class called ``name`` among :func:`reference_fixes`."""
+    return next(op for op in reference_fixes() if op.__name__ == name)
+
+
+@functools.lru_cache(maxsize=None)  # the classes hold no state: built once per process
+def reference_fixes() -> tuple:
+    """The OpRun classes that fix onnx's reference evaluator for gradient checks (pass them as
+    ``new_ops``): ops that round through float32 replaced by versions that keep the input's precision (float64 finite differences need it): Erf, GridSample
     (which also learns opset 16's mode names) and AffineGrid, Adam, cubic Resize, LinearAttention,
     unseeded Dropout (one fixed draw), Scatter (deprecated, missing), MaxPool (Indices as
     the spec and onnxruntime compute them), LpNormalization (|x|**p), MeanVarianceNormalization,
@@ -163,7 +196,6 @@ def _evaluator(proto: onnx.ModelProto):
     forwards, and stacks wrongly, respectively."""
     import math
 
-    from onnx.reference import ReferenceEvaluator
     from onnx.reference.ops.op_affine_grid import AffineGrid as StockAffineGrid
     from onnx.reference.ops.op_affine_grid import construct_original_grid
     from onnx.reference.ops.op_erf import Erf as StockErf
@@ -266,13 +298,7 @@ def _evaluator(proto: onnx.ModelProto):
            _widened("op_linear_attention", "LinearAttention"),
            _widened("op_causal_conv_with_state", "CausalConvWithState")]
 
-    class Evaluator(ReferenceEvaluator):
-        """Passes the replacements on to the evaluators of function bodies (Gelu's, ...)."""
-
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=ops if new_ops is None else new_ops, **kwargs)
-
-    return Evaluator(proto)
+    return tuple(ops)
 
 
 def max_pool_reference(x, kernel_shape, auto_pad="NOTSET", ceil_mode=0, dilations=None, pads=None,
@@ -557,6 +583,88 @@ def run_onnxruntime(model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndar
     return dict(zip([o.name for o in sess.get_outputs()], out))
 
 
+def ort_run(model, feeds: Mapping[str, np.ndarray], *, overridable: bool = True) -> dict[str, np.ndarray]:
+    """Run ``model`` on onnxruntime's CPU provider: output name -> value (the tests' shorthand).
+
+    Feeds the model does not take are dropped. With ``overridable=False`` only the graph's
+    inputs are fed, never its initializers (even when ``feeds`` holds a value by that name)."""
+    if overridable:
+        return run_onnxruntime(model, feeds)
+    sess = ort_session(model)
+    wanted = {i.name for i in sess.get_inputs()}
+    out = sess.run(None, {k: v for k, v in feeds.items() if k in wanted})
+    return dict(zip([o.name for o in sess.get_outputs()], out))
+
+
+def ort_grad_session(model, weights: Sequence[str], feeds: Mapping[str, np.ndarray], *, loss: str = "loss"):
+    """(session, outputs): the float gradient graph of ``model`` (``loss`` w.r.t. ``weights``)
+    run on onnxruntime's CPU provider, fed the graph inputs found in ``feeds``; ``outputs`` maps
+    every output name (``loss``, ``<w>_grad``) to its value. The session is returned for
+    further runs (finite differences on onnxruntime)."""
+    built = GradientGraphBuilder(model, weights=list(weights), outputs=[loss], loss=loss).build().get_model()
+    sess = ort_session(built)
+    run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
+    return sess, dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
+
+
+def ort_grads(model, weights: Sequence[str], feeds: Mapping[str, np.ndarray], *, loss: str = "loss"
+              ) -> dict[str, np.ndarray]:
+    """The onnxruntime gradients of ``loss`` w.r.t. ``weights``: weight name -> gradient
+    (see :func:`ort_grad_session`)."""
+    _, got = ort_grad_session(model, weights, feeds, loss=loss)
+    return {w: got[f"{w}_grad"] for w in weights}
+
+
+def check_model(model, weights: Sequence[str], feeds: Mapping[str, np.ndarray] | None = None, *, ort: bool = True,
+                loss: str = "loss", **gradcheck_kwargs) -> GradcheckReport:
+    """:func:`check_op`'s two checks on a prepared model: :func:`gradcheck` (float64 finite
+    differences on the reference evaluator) must pass, then (with ``ort=True``) the float32
+    gradient graph on onnxruntime must agree with the float64 gradients within
+    ``rtol=2e-3, atol=2e-4 * max(1, max|grad|)``. Raises AssertionError; returns the report."""
+    feeds = dict(feeds or {})
+    report = gradcheck(model, weights, loss, feeds, **gradcheck_kwargs)
+    assert report.passed, str(report)
+    if ort:
+        got = ort_grads(model, weights, feeds, loss=loss)
+        for w in weights:
+            ref = report.gradients[w]
+            np.testing.assert_allclose(got[w], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()), err_msg=w)
+    return report
+
+
+# ----------------------------------------------------------------------------- reference evaluator fixes
+
+
+def reference_evaluator_with(*ops, prepare=None):
+    """A subclass of the current ``onnx.reference.ReferenceEvaluator`` that always adds the
+    OpRun classes ``ops`` (matched by class name and ``op_domain``) after any ``new_ops`` it is
+    given, so they win over both the stock kernels and :func:`gradcheck`'s replacements.
+    ``prepare``, when given, maps each ModelProto before evaluation."""
+    from onnx import reference
+
+    stock = reference.ReferenceEvaluator
+
+    class Evaluator(stock):
+        def __init__(self, proto, *args, new_ops=None, **kwargs):
+            if prepare is not None and isinstance(proto, onnx.ModelProto):
+                proto = prepare(proto)
+            super().__init__(proto, *args, new_ops=[*(new_ops or []), *ops], **kwargs)
+
+    return Evaluator
+
+
+def patch_reference_evaluator(monkeypatch, *ops, prepare=None):
+    """Install :func:`reference_evaluator_with` as ``onnx.reference.ReferenceEvaluator`` for one
+    test (``monkeypatch`` is pytest's fixture; it restores the stock class afterwards). Code that
+    looks the evaluator up at call time (``gradcheck``, ``make_op_model``, ``check_op``) then
+    computes with ``ops``. Returns the stock class (the one replaced)."""
+    from onnx import reference
+
+    stock = reference.ReferenceEvaluator
+    monkeypatch.setattr(reference, "ReferenceEvaluator", reference_evaluator_with(*ops, prepare=prepare))
+    return stock
+
+
 # ----------------------------------------------------------------------------- single op
 
 
@@ -686,3 +794,57 @@ def check_op(
                     f"max abs diff {np.abs(g - ref).max() if g.shape == ref.shape else 'shape ' + str(g.shape)}"
                 )
     return report
+
+
+# ----------------------------------------------------------------------------- parameter grids
+
+
+def pairwise(params: Mapping[str, Sequence], *, whole: Sequence[str] = ()) -> list[tuple]:
+    """A covering set of test cases for ``@pytest.mark.parametrize`` in place of the full product
+    of ``params`` (name -> values): the full product of the parameters named in ``whole`` (those
+    whose values interact in the rule's code), and every pair of values of any two parameters.
+
+    Deterministic (greedy, in the order given); returns tuples in the order of ``params``. Use
+    it where the full grid adds no coverage: every value of every parameter appears, every pair
+    appears, and the ``whole`` parameters appear in every combination."""
+    names = list(params)
+    sizes = [len(params[n]) for n in names]
+    if any(s == 0 for s in sizes):
+        return []
+    pos = {n: i for i, n in enumerate(names)}
+    whole_idx = [pos[n] for n in whole]
+    uncovered = {(i, a, j, b) for i in range(len(names)) for j in range(i + 1, len(names))
+                 for a in range(sizes[i]) for b in range(sizes[j])}
+    used = [[0] * s for s in sizes]
+
+    def fill(row):
+        for k in range(len(names)):
+            if row[k] is not None:
+                continue
+
+            def gain(v, k=k):
+                return sum(((min(k, j), v if k < j else row[j], max(k, j), row[j] if k < j else v) in uncovered)
+                           for j in range(len(names)) if row[j] is not None)
+
+            row[k] = max(range(sizes[k]), key=lambda v: (gain(v), -used[k][v], -v))
+        return row
+
+    def add(row):
+        for i in range(len(names)):
+            used[i][row[i]] += 1
+            for j in range(i + 1, len(names)):
+                uncovered.discard((i, row[i], j, row[j]))
+        rows.append(tuple(row))
+
+    rows: list[tuple] = []
+    for combo in itertools.product(*[range(sizes[i]) for i in whole_idx]):
+        row = [None] * len(names)
+        for i, v in zip(whole_idx, combo):
+            row[i] = v
+        add(fill(row))
+    while uncovered:
+        i, a, j, b = min(uncovered)
+        row = [None] * len(names)
+        row[i], row[j] = a, b
+        add(fill(row))
+    return [tuple(params[n][v] for n, v in zip(names, row)) for row in rows]

@@ -5,27 +5,7 @@ forms onnx's reference evaluator cannot run."""
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import gradcheck, make_op_model, numeric_gradient, ort_session
-
-
-def ort_grads(model, weights, feeds):
-    """(session, outputs) of the float gradient graph of ``model`` on onnxruntime's CPU."""
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
-    sess = ort_session(built)
-    names = [o.name for o in sess.get_outputs()]
-    run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
-    return sess, dict(zip(names, sess.run(None, run_feeds)))
-
-
-def check_model(model, weights, feeds):
-    """gradcheck (float64, reference evaluator) plus the float32 graph on onnxruntime."""
-    report = gradcheck(model, weights, "loss", feeds)
-    assert report.passed, str(report)
-    _, got = ort_grads(model, weights, feeds)
-    for w in weights:
-        ref = report.gradients[w]
-        np.testing.assert_allclose(got[f"{w}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
+from gradbuilder.testing import check_model, make_op_model, numeric_gradient, ort_grad_session, ort_session
 
 
 def check_graph_ints(op, inputs, attrs=None, *, graph_ints, opset, num_outputs=1, static_last=False, **kw):
@@ -95,7 +75,7 @@ def ort_gradcheck(op, inputs, attrs=None, *, opset, graph_ints=(), eps=1e-6):
                           inits + [numpy_helper.from_array(proj, "proj")]),
         opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
-    sess, got = ort_grads(model, list(floats), feeds)
+    sess, got = ort_grad_session(model, list(floats), feeds)
     for w, base in floats.items():
         num = numeric_gradient(lambda v: sess.run(["loss"], {**feeds, w: v})[0], base, eps)
         np.testing.assert_allclose(got[f"{w}_grad"], num, rtol=1e-5, atol=1e-7)

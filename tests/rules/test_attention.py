@@ -4,7 +4,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, make_op_model, numeric_gradient, ort_session, to_float64
+from gradbuilder.testing import check_op, make_op_model, numeric_gradient, ort_grads, ort_session, to_float64
 
 f32 = np.float32
 B, S, D = 2, 3, 4
@@ -13,14 +13,6 @@ B, S, D = 2, 3, 4
 @pytest.fixture
 def t(rng):
     return lambda *shape: rng.standard_normal(shape).astype(f32)
-
-
-def ort_grads(model, weights, feeds):
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
-    sess = ort_session(built)
-    got = dict(zip([o.name for o in sess.get_outputs()],
-                   sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds})))
-    return {w: got[f"{w}_grad"] for w in weights}
 
 
 def symbolic_leading_dims(model):
@@ -88,7 +80,7 @@ def test_attention_dynamic(k, t):
 def test_attention_3d_symbolic(k, t):
     _, inputs, attrs, outputs = attn_cases(t)[k]
     model, weights, feeds = make_op_model("Attention", inputs, attrs, opset=23, num_outputs=3, weights_as="inputs")
-    check_model(symbolic_leading_dims(model), weights, feeds)
+    check_model_untyped(symbolic_leading_dims(model), weights, feeds)
 
 
 def test_attention_mask_shorter_than_keys(t):
@@ -142,7 +134,7 @@ def test_attention_skipped_outputs(t):
                                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], proj)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
         model.ir_version = 10
-        check_model(model, list(inputs), inputs)
+        check_model_untyped(model, list(inputs), inputs)
 
 
 def test_attention_nonpad_kv_seqlen_opset24(t):
@@ -198,9 +190,10 @@ def ort_gradcheck(op, inputs, attrs, *, outputs, opset=23, eps=1e-6):
 # ----------------------------------------------------------------------------- float64 check by hand
 
 
-def check_model(model, weights, feeds, *, samples=24, eps=1e-6, seed=0):
-    """Float64 gradcheck on onnx's reference evaluator without type-checking the float64
-    model (RotaryEmbedding has no float64 type), then the float32 gradients on onnxruntime."""
+def check_model_untyped(model, weights, feeds, *, samples=24, eps=1e-6, seed=0):
+    """gradbuilder.testing.check_model's two checks, by hand: float64 finite differences on
+    onnx's stock reference evaluator without type-checking the float64 model (RotaryEmbedding
+    has no float64 type), then the float32 gradients on onnxruntime."""
     built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().model_proto
     base = {k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
     inits = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer if i.name in weights}
@@ -234,12 +227,10 @@ def check_model(model, weights, feeds, *, samples=24, eps=1e-6, seed=0):
         for d in directions:
             num = (loss(w, x + eps * d) - loss(w, x - eps * d)) / (2 * eps)
             np.testing.assert_allclose(np.sum(g * d), num, rtol=1e-4, atol=1e-6, err_msg=w)
-    sess = ort_session(GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model())
-    ort_out = dict(zip([o.name for o in sess.get_outputs()],
-                       sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds})))
+    ort_out = ort_grads(model, weights, feeds)
     for w in weights:
         ref = np.asarray(got[f"{w}_grad"])
-        np.testing.assert_allclose(ort_out[f"{w}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
+        np.testing.assert_allclose(ort_out[w], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
 
 
 # ----------------------------------------------------------------------------- RotaryEmbedding
@@ -271,7 +262,7 @@ def rope_inputs(t, case):
 def test_rotary_embedding(case, dims, t):
     model, weights, feeds = make_op_model("RotaryEmbedding", rope_inputs(t, case), case[4], opset=23,
                                           weights_as="inputs", dims=dims)
-    check_model(model, weights, feeds)
+    check_model_untyped(model, weights, feeds)
 
 
 def test_rotary_embedding_x_only_and_constant_caches(t):
@@ -280,7 +271,7 @@ def test_rotary_embedding_x_only_and_constant_caches(t):
     inputs = [("x", t(B, 3, 4, 6)), ("cos", np.cos(angles).astype(f32)), ("sin", np.sin(angles).astype(f32)),
               ("pos", POS)]
     model, weights, feeds = make_op_model("RotaryEmbedding", inputs, {}, opset=23, wrt=["x"], weights_as="inputs")
-    check_model(model, weights, feeds)
+    check_model_untyped(model, weights, feeds)
 
 
 def test_rotary_embedding_float16(t):

@@ -29,7 +29,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import _evaluator, gradcheck, ort_session, to_float64
+from gradbuilder.testing import gradcheck, ort_session, reference_evaluator, to_float64
+from gradbuilder.testing import ort_run as _ort_run
 
 MS = "com.microsoft"
 f32, f16 = np.float32, np.float16
@@ -195,7 +196,7 @@ class Case:
         probe = _model(standard(op, self.ins, self.outs, self.attrs, self.shapes, np.float64),
                        [helper.make_tensor_value_info(k, TensorProto.DOUBLE, v.shape) for k, v in self.feeds.items()],
                        [helper.make_empty_tensor_value_info(o) for o in self.outs if o], [], opset, domain=None)
-        values = _evaluator(probe).run(None, {k: v.astype(np.float64) for k, v in self.feeds.items()})
+        values = reference_evaluator(probe).run(None, {k: v.astype(np.float64) for k, v in self.feeds.items()})
         self.expected_forward = dict(zip([o for o in self.outs if o], values))
         rng = np.random.default_rng(seed + 1000)
         self.proj = {o: rng.standard_normal(v.shape).astype(dtype) for o, v in self.expected_forward.items()
@@ -251,10 +252,8 @@ def grads_of(model, weights):
 
 
 def ort_run(model, feeds):
-    sess = ort_session(model)
-    names = [o.name for o in sess.get_outputs()]
-    wanted = {i.name for i in sess.get_inputs()}
-    return dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
+    """gradbuilder.testing.ort_run feeding graph inputs only (never the initializers)."""
+    return _ort_run(model, feeds, overridable=False)
 
 
 def ort_finite_differences(model, feeds, weights, eps=1e-2):
@@ -294,7 +293,7 @@ def check(case: Case, contrib_forward_on_ort=None):
     built32 = grads_of(case.contrib_model(), w)
     built64 = case.swap_contrib_node(to_float64(built32), np.float64)
     got = dict(zip([o.name for o in built64.graph.output],
-                   _evaluator(built64).run(None, {k: v.astype(np.float64) for k, v in feeds.items()})))
+                   reference_evaluator(built64).run(None, {k: v.astype(np.float64) for k, v in feeds.items()})))
     for name in w:
         close(got[f"{name}_grad"], expected[name], 1e-7, 1e-9)
 

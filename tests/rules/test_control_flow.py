@@ -86,6 +86,7 @@ class CondModule(torch.nn.Module):
         return ((out - target) ** 2).mean()
 
 
+@pytest.mark.slow  # a dynamo export: seconds each
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_torch_cond_export_matches_autograd(sign):
     torch.manual_seed(0)

@@ -5,17 +5,13 @@ from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_op, make_op_model, run_onnxruntime
+from gradbuilder.testing import check_op, make_op_model, ort_run, patch_reference_evaluator
 
 f32 = np.float32
 
 
 def arr(rng, *shape):
     return rng.standard_normal(shape).astype(f32)
-
-
-def ort_run(model, feeds):
-    return run_onnxruntime(model, feeds)
 
 
 def assert_forward_agrees(op, inputs, attrs, opset):
@@ -186,17 +182,10 @@ class _SpecConvTranspose:
 def spec_conv_transpose(monkeypatch):
     """onnx.reference.ReferenceEvaluator with :class:`_SpecConvTranspose` (for make_op_model
     and gradcheck alike)."""
+    patch_reference_evaluator(monkeypatch, _SpecConvTranspose.make())
     import onnx.reference as reference
 
-    stock = reference.ReferenceEvaluator
-    op = _SpecConvTranspose.make()
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), op], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
-    return Evaluator
+    return reference.ReferenceEvaluator
 
 
 SPEC_ONLY = [
@@ -333,7 +322,6 @@ def deform_conv_reference(X, W, offset, B=None, mask=None, dilations=None, group
 
 @pytest.fixture
 def precise_deform_conv(monkeypatch):
-    import onnx.reference as reference
     from onnx.reference.op_run import OpRun
 
     class DeformConv(OpRun):  # new_ops are matched by class name
@@ -344,13 +332,7 @@ def precise_deform_conv(monkeypatch):
             return (deform_conv_reference(X, W, offset, B, mask, dilations, group, kernel_shape, offset_group,
                                           pads, strides),)
 
-    stock = reference.ReferenceEvaluator
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), DeformConv], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
+    patch_reference_evaluator(monkeypatch, DeformConv)
 
 
 # (id, x shape, w shape, attributes, bias, mask); offsets within +-1.5 pixels, some samples

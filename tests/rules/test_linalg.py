@@ -4,10 +4,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_op, run_onnxruntime
+from gradbuilder.testing import check_model, check_op, run_onnxruntime
 
 from ..helpers import make_model, tensor, vi
-from .harness import check_model
 
 f32 = np.float32
 

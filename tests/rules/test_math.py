@@ -4,7 +4,7 @@ import pytest
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import _evaluator, check_op, gradcheck, make_op_model, run_onnxruntime
+from gradbuilder.testing import check_op, gradcheck, make_op_model, ort_run, reference_evaluator
 
 from .harness import check_graph_ints, check_unknown_rank
 
@@ -31,10 +31,6 @@ NO_ORT_F64 = {"Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "
 
 def on_ort(op, opset, dtype):
     return not (dtype == f64 and op in NO_ORT_F64)
-
-
-def ort_run(model, feeds):
-    return run_onnxruntime(model, feeds)
 
 
 def ort_gradcheck(op, inputs, attrs, opset, dims="static", t=1e-2, directions=4, seed=0):
@@ -328,7 +324,7 @@ def test_range_float16():
     report = check_op("Range", inputs, opset=27, ort=False)
     model, weights, _ = make_op_model("Range", inputs, opset=27)
     built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().model_proto
-    got = _evaluator(built).run([f"{w}_grad" for w in weights], {})
+    got = reference_evaluator(built).run([f"{w}_grad" for w in weights], {})
     for w, g in zip(weights, got):
         assert g.dtype == np.float16
         np.testing.assert_allclose(g.astype(f64), report.gradients[w], rtol=1e-2, atol=1e-2)

@@ -4,7 +4,7 @@ import pytest
 from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, make_op_model, run_onnxruntime
+from gradbuilder.testing import check_op, make_op_model, ort_run, patch_reference_evaluator, reference_fix
 
 f32, f64 = np.float32, np.float64
 
@@ -28,10 +28,6 @@ def arr(rng, *shape, lo=-1.0, hi=1.0, dtype=f32):
 def signed(rng, *shape, lo=0.5, hi=2.0, dtype=f32):
     """|values| in [lo, hi], random signs: away from the kinks of |x| at 0."""
     return (rng.uniform(lo, hi, shape) * rng.choice([-1.0, 1.0], shape)).astype(dtype)
-
-
-def ort_run(model, feeds):
-    return run_onnxruntime(model, feeds)
 
 
 def single_node(op, x, attrs, opset):
@@ -62,7 +58,6 @@ def fixed_reference(monkeypatch):
     LRN sums the channel window for c < N (the batch size) only; LpNormalization takes sum(x^p)
     without |x| (wrong for p = 1 with negatives); GlobalLpPool has no implementation.
     Each replacement is checked against onnxruntime's forward in the tests."""
-    import onnx.reference as reference
     from onnx.reference.op_run import OpRun
 
     class LRN(OpRun):  # new_ops are matched by class name
@@ -74,13 +69,6 @@ def fixed_reference(monkeypatch):
             square_sum = np.stack([sq[:, max(0, k - lo):min(c, k + hi + 1)].sum(axis=1) for k in range(c)], axis=1)
             return ((x / (bias + alpha / size * square_sum) ** beta).astype(x.dtype),)
 
-    class LpNormalization(OpRun):
-        op_domain = ""
-
-        def _run(self, x, axis=None, p=None):
-            norm = np.power(np.power(np.abs(x), p).sum(axis=axis, keepdims=True), 1.0 / p)
-            return (np.where(norm == 0, 0, x / np.where(norm == 0, 1, norm)).astype(x.dtype),)
-
     class GlobalLpPool(OpRun):
         op_domain = ""
 
@@ -88,13 +76,8 @@ def fixed_reference(monkeypatch):
             axes = tuple(range(2, x.ndim))
             return (np.power(np.power(np.abs(x), p).sum(axis=axes, keepdims=True), 1.0 / p).astype(x.dtype),)
 
-    stock = reference.ReferenceEvaluator
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), LRN, LpNormalization, GlobalLpPool], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
+    # LpNormalization: gradbuilder.testing's fix (|x|**p), here for the stock evaluator too
+    patch_reference_evaluator(monkeypatch, LRN, reference_fix("LpNormalization"), GlobalLpPool)
 
 
 def ort_gradcheck(op, x, attrs, opset, dims="static", seed=0, t=1e-2, directions=4):

@@ -18,8 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import numeric_gradient, ort_session
-from .harness import check_model, ort_grads
+from gradbuilder.testing import check_model, numeric_gradient, ort_grad_session, ort_session
 
 ML = "ai.onnx.ml"
 f32 = np.float32
@@ -80,7 +79,7 @@ def check_ort(op, inputs, attrs=None, eps=1e-2, **kw):
     """The float32 gradient graph on onnxruntime against onnxruntime's own finite differences
     (central, step ``eps``)."""
     model, weights, feeds = ml_model(op, inputs, attrs, **kw)
-    sess, got = ort_grads(model, weights, feeds)
+    sess, got = ort_grad_session(model, weights, feeds)
     values = {**feeds}
     for t in model.graph.initializer:
         if t.name in weights:
@@ -100,7 +99,7 @@ def check_ort(op, inputs, attrs=None, eps=1e-2, **kw):
 
 def grads_on_ort(op, inputs, attrs=None, **kw):
     model, weights, feeds = ml_model(op, inputs, attrs, **kw)
-    _, got = ort_grads(model, weights, feeds)
+    _, got = ort_grad_session(model, weights, feeds)
     projection = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_proj")}
     return got, projection
 
@@ -411,5 +410,5 @@ def test_linear_classifier_probit_at_one_half(rng):
     model, weights, feeds = ml_model("LinearClassifier", [("x", x)], attrs)
     report = gradcheck(model, weights, "loss", feeds, eps=1e-4)
     assert report.passed, str(report)
-    _, got = ort_grads(model, weights, feeds)
+    _, got = ort_grad_session(model, weights, feeds)
     np.testing.assert_allclose(got["x_grad"], report.gradients["x"], rtol=2e-3, atol=2e-4)

@@ -4,7 +4,7 @@ import onnxruntime as ort
 import pytest
 
 from gradbuilder import GradientGraphBuilder, GradientRuleError
-from gradbuilder.testing import check_op, gradcheck, make_op_model
+from gradbuilder.testing import check_model, check_op, make_op_model, ort_grads, pairwise, patch_reference_evaluator
 
 f32 = np.float32
 
@@ -17,14 +17,6 @@ def arr(rng, *shape, lo=None, hi=None):
 
 def eps_attr(eps):
     return {} if eps is None else {"epsilon": eps}
-
-
-def ort_grads(model, weights, feeds):
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().get_model()
-    sess = ort.InferenceSession(built, providers=["CPUExecutionProvider"])
-    run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
-    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
-    return {w: got[f"{w}_grad"] for w in weights}
 
 
 def op_model(op, inputs, attrs, *, keep=None, cast_outputs=(), cast_to=onnx.TensorProto.FLOAT, **kw):
@@ -48,21 +40,8 @@ def op_model(op, inputs, attrs, *, keep=None, cast_outputs=(), cast_to=onnx.Tens
     return model, weights, feeds
 
 
-def check_model(model, weights, feeds, on_ort=True, **gradcheck_kw):
-    """check_op's two checks on a prepared model: float64 finite differences, then onnxruntime."""
-    report = gradcheck(model, weights, "loss", feeds, **gradcheck_kw)
-    assert report.passed, str(report)
-    if not on_ort:
-        return report
-    got = ort_grads(model, weights, feeds)
-    for w in weights:
-        ref = report.gradients[w]
-        np.testing.assert_allclose(got[w], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
-    return report
-
-
 def check(op, inputs, attrs, on_ort=True, **kw):
-    return check_model(*op_model(op, inputs, attrs, **kw), on_ort=on_ort)
+    return check_model(*op_model(op, inputs, attrs, **kw), ort=on_ort)
 
 
 def differentiate_model(model, weights, *, forget_shapes=False):
@@ -197,7 +176,6 @@ def bn9_reference(monkeypatch):
     """onnx's reference BatchNormalization-9 has one output; this one computes its training
     outputs as onnxruntime does: Y with the batch statistics, running mean/var blended with
     momentum, saved_mean = the batch mean, saved_var = 1/sqrt(var + eps)."""
-    import onnx.reference as reference
     from onnx.reference.op_run import OpRun
 
     class BatchNormalization(OpRun):  # new_ops are matched by class name
@@ -217,13 +195,7 @@ def bn9_reference(monkeypatch):
             return (y.astype(x.dtype), mean * mom + mu * (1 - mom), var * mom + v * (1 - mom), mu,
                     1 / np.sqrt(v + eps))
 
-    stock = reference.ReferenceEvaluator
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), BatchNormalization], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
+    patch_reference_evaluator(monkeypatch, BatchNormalization)
 
 
 @pytest.mark.filterwarnings("ignore:these weights do not reach the loss")
@@ -296,11 +268,23 @@ def check_ln(inputs, attrs, num_outputs, **kw):
                  cast_outputs=range(1, num_outputs), **kw)
 
 
-@pytest.mark.parametrize("opset", [17, 18])
-@pytest.mark.parametrize("num_outputs", [1, 2, 3])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("eps", [None, 0.1])
-@pytest.mark.parametrize("case", LN_CASES, ids=lambda c: f"{len(c[0])}d-axis{c[1]}-{'x'.join(map(str, c[2]))}")
+# A covering set, not the full grid (216 cases). In rules/normalization.py the case (rank,
+# axis and Scale/B shapes: trailing_axes, the Moments reductions, unbroadcast) and the outputs
+# that reach the loss (dMean, dInvStdDev in Moments.backward over the same axes) interact, so
+# those two run in every combination (27). B (db = unbroadcast(dy, b)), the opset (how the
+# reductions over those axes are emitted) and epsilon (a scalar in Moments) are separate
+# branches: every one of their values meets every case and every other value (all pairs).
+LN_GRID = pairwise({"case": LN_CASES, "num_outputs": [1, 2, 3], "eps": [None, 0.1], "bias": [True, False],
+                    "opset": [17, 18]}, whole=["case", "num_outputs"])
+
+
+def ln_case_id(c):
+    (shape, axis, pshape), num_outputs, eps, bias, opset = c
+    return (f"{len(shape)}d-axis{axis}-{'x'.join(map(str, pshape))}-out{num_outputs}-eps{eps}"
+            f"-{'bias' if bias else 'nobias'}-{opset}")
+
+
+@pytest.mark.parametrize("case,num_outputs,eps,bias,opset", LN_GRID, ids=[ln_case_id(c) for c in LN_GRID])
 def test_layer_norm(case, eps, bias, num_outputs, opset, rng):
     # num_outputs 2/3: the loss also uses Mean (and InvStdDev)
     shape, axis, pshape = case
@@ -434,7 +418,7 @@ def test_float16(rng):
     model, weights, feeds = op_model("LayerNormalization", half(ln_inputs(rng, (2, 3, 4), (4,))), {"axis": 1},
                                      num_outputs=3, cast_outputs=[1, 2], cast_to=onnx.TensorProto.FLOAT16,
                                      opset=17)
-    expected = check_model(model, weights, feeds, on_ort=False).gradients
+    expected = check_model(model, weights, feeds, ort=False).gradients
     got = ort_grads(model, weights, feeds)
     for w in weights:
         np.testing.assert_allclose(got[w].astype(np.float64), expected[w], rtol=2e-2, atol=2e-2)

@@ -2,9 +2,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gradbuilder.testing import check_op, numeric_gradient, ort_session
-
-from .harness import ort_grads
+from gradbuilder.testing import check_op, numeric_gradient, ort_grad_session, ort_session
 
 
 @pytest.mark.parametrize("dims", ["static", "dynamic"])
@@ -40,11 +38,11 @@ def test_optional_wrapping(opset, rng):
     this gradient is checked on onnxruntime (float64) against finite differences there."""
     x = rng.standard_normal((3, 4))
     model = optional_model(opset, np.float64)
-    _, got = ort_grads(model, ["x"], {"x": x})
+    _, got = ort_grad_session(model, ["x"], {"x": x})
     sess = ort_session(model)
     num = numeric_gradient(lambda v: sess.run(["loss"], {"x": v})[0], x, 1e-6)
     np.testing.assert_allclose(got["x_grad"], num, rtol=1e-6, atol=1e-8)
     # float32 too
     x32 = x.astype(np.float32)
-    _, got32 = ort_grads(optional_model(opset, np.float32), ["x"], {"x": x32})
+    _, got32 = ort_grad_session(optional_model(opset, np.float32), ["x"], {"x": x32})
     np.testing.assert_allclose(got32["x_grad"], num, rtol=1e-4, atol=1e-5)

@@ -4,7 +4,7 @@ import pytest
 from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, make_op_model, max_pool_reference, run_onnxruntime
+from gradbuilder.testing import check_op, make_op_model, max_pool_reference, ort_run, patch_reference_evaluator
 
 from .harness import check_graph_ints
 
@@ -15,10 +15,6 @@ def distinct(rng, *shape):
     """Values with well separated entries, so no window maximum is near a tie."""
     n = int(np.prod(shape))
     return (rng.permutation(n).reshape(shape) * 0.25 + rng.uniform(-0.05, 0.05, shape)).astype(f32)
-
-
-def ort_run(model, feeds):
-    return run_onnxruntime(model, feeds)
 
 
 def single_node(op, x, attrs, opset, outputs=("y",)):
@@ -240,7 +236,6 @@ def test_global_average_pool_dynamic(rng):
 @pytest.fixture
 def fixed_global_max_pool(monkeypatch):
     """onnx's reference GlobalMaxPool reduces the wrong axes unless there are two spatial axes."""
-    import onnx.reference as reference
     from onnx.reference.op_run import OpRun
 
     class GlobalMaxPool(OpRun):  # new_ops are matched by class name
@@ -249,13 +244,7 @@ def fixed_global_max_pool(monkeypatch):
         def _run(self, x):
             return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
 
-    stock = reference.ReferenceEvaluator
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), GlobalMaxPool], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
+    patch_reference_evaluator(monkeypatch, GlobalMaxPool)
 
 
 @pytest.mark.parametrize("opset", [13, 18])

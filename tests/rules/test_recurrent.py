@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_op, gradcheck, make_op_model
+from gradbuilder.testing import check_model, check_op, gradcheck, make_op_model, ort_session, patch_reference_evaluator
 
 f32 = np.float32
 T, N, I, H = 3, 2, 3, 4  # seq, batch, input, hidden
@@ -148,19 +148,7 @@ def spec_reference(monkeypatch):
     """The reference evaluator with the full-spec RNN/GRU/LSTM. Absent outputs ("") get a
     name first: the evaluator stores results by name, so a value stored under "" would be read
     back by every later absent input (here: the sequence_lens of a second node)."""
-    import onnx.reference as reference
-
-    stock = reference.ReferenceEvaluator
-    ops = [_spec_op(op) for op in GATES]
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            if isinstance(proto, onnx.ModelProto):
-                proto = name_absent_outputs(proto)
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), *ops], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
-    return stock
+    return patch_reference_evaluator(monkeypatch, *[_spec_op(op) for op in GATES], prepare=name_absent_outputs)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -196,15 +184,6 @@ def check(op, case, opset, rng, **kw):
     ins = make_inputs(op, rng, direction=attrs.get("direction", "forward"), layout=attrs.get("layout", 0), **opts)
     return check_op(op, ins, attrs, opset=opset, num_outputs=3 if op == "LSTM" else 2,
                     ort=not attrs.get("layout", 0), **kw)
-
-
-def ort_session(model):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
 # ----------------------------------------------------------------------------- the reference itself
@@ -367,21 +346,6 @@ def partial_model(op, case, rng, present, used, opset=18):
     return model, [n for n, v in ins if v is not None and v.dtype.kind == "f"]
 
 
-def check_model(model, weights, ort=True):
-    """Float64 finite differences on the reference, and the float32 graph on onnxruntime."""
-    report = gradcheck(model, weights, "loss")
-    assert report.passed, str(report)
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build()
-    if ort:
-        sess = ort_session(built.get_model())
-        got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {})))
-        for w in weights:
-            ref = report.gradients[w]
-            np.testing.assert_allclose(got[f"{w}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()),
-                                       err_msg=w)
-    return built.model_proto
-
-
 PARTIAL = [
     ("RNN", {**BI, "seq": [3, 1], "h0": True}, ["Y", "Y_h"], ["Y_h"]),
     ("RNN", {**REV, "seq": [2, 3], "h0": True, "clip": 0.8}, ["Y_h"], ["Y_h"]),
@@ -403,7 +367,8 @@ def test_some_outputs(op, case, present, used, rng):
     """Any subset of the outputs carries the gradient; without a Y output the hidden states come
     from a second node of the same op (with layout 0)."""
     model, weights = partial_model(op, case, rng, present, used)
-    built = check_model(model, weights, ort=not case.get("layout", 0))
+    check_model(model, weights, ort=not case.get("layout", 0))
+    built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().model_proto
     recurrent = [n for n in built.graph.node if n.op_type == op]
     assert len(recurrent) == (1 if "Y" in present else 2)
     assert all(a.i == 0 for n in recurrent[1:] for a in n.attribute if a.name == "layout")

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from gradbuilder.testing import check_op, run_onnxruntime
+from gradbuilder.testing import check_op, patch_reference_evaluator, run_onnxruntime
 
 from .harness import check_graph_ints, ort_gradcheck
 
@@ -109,7 +109,6 @@ def test_roi_align_opset22(case, rng):
 def roi_align_10(monkeypatch):
     """RoiAlign-10 had no coordinate_transformation_mode and sampled as output_half_pixel does
     (onnxruntime); onnx's reference applies the later default, half_pixel."""
-    import onnx.reference as reference
     from onnx.reference.ops.op_roi_align import RoiAlign as Stock
 
     class RoiAlign(Stock):  # new_ops are matched by class name
@@ -118,13 +117,7 @@ def roi_align_10(monkeypatch):
         def _run(self, X, rois, batch_indices, coordinate_transformation_mode=None, **kwargs):
             return super()._run(X, rois, batch_indices, coordinate_transformation_mode="output_half_pixel", **kwargs)
 
-    stock = reference.ReferenceEvaluator
-
-    class Evaluator(stock):
-        def __init__(self, proto, *args, new_ops=None, **kwargs):
-            super().__init__(proto, *args, new_ops=[*(new_ops or []), RoiAlign], **kwargs)
-
-    monkeypatch.setattr(reference, "ReferenceEvaluator", Evaluator)
+    patch_reference_evaluator(monkeypatch, RoiAlign)
 
 
 @pytest.mark.parametrize("attrs", [{}, {"mode": "max", "sampling_ratio": 2, "output_height": 2}],

@@ -4,7 +4,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import _evaluator, check_op, gradcheck, make_op_model, run_onnxruntime
+from gradbuilder.testing import check_op, gradcheck, make_op_model, reference_evaluator, run_onnxruntime
 
 f32 = np.float32
 
@@ -332,10 +332,10 @@ def test_unique_ties(axis, outputs, rng):
     attrs = {} if axis is None else {"axis": axis}
     model, weights, _ = make_op_model("Unique", [("x", x)], attrs, num_outputs=outputs, opset=13)
     built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().model_proto
-    grad = _evaluator(built).run(["x_grad"], {})[0]
+    grad = reference_evaluator(built).run(["x_grad"], {})[0]
 
     def loss(v):
-        return float(_evaluator(_with_x(model, v)).run(None, {})[0])
+        return float(reference_evaluator(_with_x(model, v)).run(None, {})[0])
 
     for _ in range(3):
         d = rng.standard_normal(groups.max() + 1)[groups]  # one step per group of copies

@@ -3,37 +3,24 @@
 onnxruntime 1.31 loads no opset-27 model, so everything runs on onnx's reference evaluator.
 Its CausalConvWithState (and the operator's function body) round the silu activation
 through float32 even for float64 inputs, which makes float64 finite differences noise;
-the checks here use a copy of it that keeps the input's precision.
+the checks here use gradbuilder.testing's copy of it that keeps the input's precision.
 """
 
 import numpy as np
 import pytest
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.ops.op_causal_conv_with_state import CausalConvWithState as StockCausalConv
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import numeric_gradient, to_float64
+from gradbuilder.testing import numeric_gradient, reference_fix, to_float64
 
 OPSET = 27
 B, C, L, K = 2, 3, 5, 3
 
 
-class CausalConvWithState(StockCausalConv):
-    """The reference op with silu in float64 for float64 inputs (float32 otherwise, as stock)."""
-
-    op_domain = ""
-
-    def _run(self, input, weight, bias=None, past_state=None, activation=None):
-        conv, state = super()._run(input, weight, bias, past_state, activation="none")
-        if (activation or "none") in ("silu", "swish"):
-            c = conv.astype(np.float64 if conv.dtype == np.float64 else np.float32)
-            conv = (c / (1.0 + np.exp(-c))).astype(input.dtype)
-        return conv, state
-
-
 def evaluator(model):
-    return ReferenceEvaluator(model, new_ops=[CausalConvWithState])
+    """The stock reference evaluator with the float64-preserving CausalConvWithState only."""
+    return ReferenceEvaluator(model, new_ops=[reference_fix("CausalConvWithState")])
 
 
 def conv_model(inputs, attrs, *, used=(0, 1), dims="static", wrt=None, seed=3):

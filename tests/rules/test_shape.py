@@ -3,9 +3,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_op, make_op_model, numeric_gradient
+from gradbuilder.testing import check_model, check_op, make_op_model, numeric_gradient, ort_grad_session
 
-from .harness import check_graph_ints, check_model, check_unknown_rank, ort_gradcheck, ort_grads
+from .harness import check_graph_ints, check_unknown_rank, ort_gradcheck
 
 f32 = np.float32
 
@@ -336,7 +336,7 @@ def test_pad_of_unknown_rank_that_crops(pads, axes, rng):
     differences on onnxruntime."""
     model, weights, feeds = _pad_of_unknown_rank(rng, pads, axes, 0.7, 18, dtype=np.float64)
     base = {"x": numpy_helper.to_array(model.graph.initializer[0]), "v": np.array(0.7)}
-    sess, got = ort_grads(model, weights, {**feeds, **base})
+    sess, got = ort_grad_session(model, weights, {**feeds, **base})
     for w in weights:
         num = numeric_gradient(lambda v: sess.run(["loss"], {**feeds, **base, w: v})[0], base[w], 1e-6)
         np.testing.assert_allclose(got[f"{w}_grad"], num, rtol=1e-5, atol=1e-7)

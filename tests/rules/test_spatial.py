@@ -12,7 +12,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, gradcheck, make_op_model, ort_session, run_onnxruntime
+from gradbuilder.testing import check_model, check_op, gradcheck, make_op_model, ort_run, ort_session
 
 f32 = np.float32
 EMPTY = np.array([], f32)
@@ -23,10 +23,6 @@ def arr(rng, *shape):
 
 
 # ----------------------------------------------------------------------------- harness
-
-
-def ort_run(model, feeds):
-    return run_onnxruntime(model, feeds)
 
 
 def op_model(op, inputs, attrs, opset, wrt):
@@ -101,16 +97,6 @@ def with_runtime_inputs(model, feeds, names):
             model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, [None] * value.ndim))
             feeds[t.name] = value
     return model, feeds
-
-
-def check_model(model, weights, feeds, **kw):
-    """gradcheck (float64, reference evaluator) plus the float32 graph on onnxruntime."""
-    report = gradcheck(model, weights, "loss", feeds, **kw)
-    assert report.passed, str(report)
-    got = ort_run(GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto, feeds)
-    for w in weights:
-        ref = report.gradients[w]
-        np.testing.assert_allclose(got[f"{w}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
 
 
 # ----------------------------------------------------------------------------- Resize
