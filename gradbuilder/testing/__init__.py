@@ -847,4 +847,10 @@ def pairwise(params: Mapping[str, Sequence], *, whole: Sequence[str] = ()) -> li
         row = [None] * len(names)
         row[i], row[j] = a, b
         add(fill(row))
+    for k in range(len(names)):  # a value no pair brought in (a parameter alone)
+        for v in range(sizes[k]):
+            if not used[k][v]:
+                row = [None] * len(names)
+                row[k] = v
+                add(fill(row))
     return [tuple(params[n][v] for n, v in zip(names, row)) for row in rows]
