@@ -13,14 +13,12 @@ Reports load / differentiate / serialize times, total, peak RSS against the targ
 (3 x model file size + 200 MB), and the growth of time per node between sizes.
 
 ``--session`` measures a ``TrainingSession`` instead: its construction, then its first step
-(the step graph built and loaded, one AdamW step), and the peak RSS of the whole; with
-``--release-nodes N`` the compiler frees a build's IR at once from N nodes up
-(``compiler.pipeline.RELEASE_NODES``; a huge N never does), to measure what that pays.
+(the step graph built and loaded, one AdamW step), and the peak RSS of the whole.
 
     python tools/bench_build.py                      # exported, 5k, 10k, 20k nodes
     python tools/bench_build.py --kind synthetic
     python tools/bench_build.py --nodes 20000
-    python tools/bench_build.py --nodes 5000 --session --release-nodes 2000 1000000000
+    python tools/bench_build.py --nodes 5000 --session
 """
 
 from __future__ import annotations
@@ -186,13 +184,10 @@ def _child(path: str) -> None:
     print(json.dumps(result))
 
 
-def _session_child(path: str, release_nodes: int | None) -> None:
+def _session_child(path: str) -> None:
     """Construct a TrainingSession and run its first step; print timings and peak RSS as JSON."""
     from gradbuilder import TrainingParameters, TrainingSession
-    from gradbuilder.compiler import pipeline
 
-    if release_nodes is not None:
-        pipeline.RELEASE_NODES = release_nodes
     base = _peak_rss_mb()
     t0 = time.perf_counter()
     sess = TrainingSession(path, TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw"),
@@ -203,8 +198,7 @@ def _session_child(path: str, release_nodes: int | None) -> None:
     sess.run(["loss"], feeds)
     t2 = time.perf_counter()
     print(json.dumps({"forward_nodes": len(onnx.load(path).graph.node), "construct_s": t1 - t0,
-                      "first_step_s": t2 - t1, "peak_over_start_mb": _peak_rss_mb() - base,
-                      "release_nodes": pipeline.RELEASE_NODES}))
+                      "first_step_s": t2 - t1, "peak_over_start_mb": _peak_rss_mb() - base}))
 
 
 def _sessions(args) -> None:
@@ -215,17 +209,13 @@ def _sessions(args) -> None:
         for n in args.nodes:
             path = os.path.join(tmp, f"transformer_{n}.onnx")
             onnx.save(make(args.kind, layers_for(args.kind, n)), path)
-            for release in args.release_nodes or [None]:  # interleaved: one child each, in turn
-                cmd = [sys.executable, __file__, "--session-child", path]
-                cmd += ["--release-nodes", str(release)] if release is not None else []
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                if out.returncode != 0:
-                    sys.exit(f"session on the {n}-node model failed:\n{out.stderr}")
-                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{'fwd nodes':>9} {'release from':>12} {'construct s':>11} {'1st step s':>10} {'peak MB':>8}")
+            out = subprocess.run([sys.executable, __file__, "--session-child", path], capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"session on the {n}-node model failed:\n{out.stderr}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"{'fwd nodes':>9} {'construct s':>11} {'1st step s':>10} {'peak MB':>8}")
     for r in rows:
-        print(f"{r['forward_nodes']:9d} {r['release_nodes']:12d} {r['construct_s']:11.2f} {r['first_step_s']:10.2f} "
-              f"{r['peak_over_start_mb']:8.0f}")
+        print(f"{r['forward_nodes']:9d} {r['construct_s']:11.2f} {r['first_step_s']:10.2f} {r['peak_over_start_mb']:8.0f}")
 
 
 def main() -> None:
@@ -233,7 +223,6 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[5000, 10000, 20000])
     ap.add_argument("--kind", choices=["exported", "synthetic"], default="exported")
     ap.add_argument("--session", action="store_true", help="measure TrainingSession construction and first step")
-    ap.add_argument("--release-nodes", type=int, nargs="+", help="compiler.pipeline.RELEASE_NODES values to compare")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--session-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -241,7 +230,7 @@ def main() -> None:
         _child(args.child)
         return
     if args.session_child:
-        _session_child(args.session_child, args.release_nodes[0] if args.release_nodes else None)
+        _session_child(args.session_child)
         return
     if args.session:
         _sessions(args)

@@ -103,9 +103,7 @@ class GradientGraphBuilder:
         t2 = time.perf_counter()
         _drop_inner_types(model.graph)
         out = modelio.DetachedModel(ir.to_proto(model), weights_bytes)
-        nodes = len(model.graph)
         del model
-        pipeline.release(nodes)
         out.check()
         self._result = out
         t3 = time.perf_counter()
