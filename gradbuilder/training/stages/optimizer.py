@@ -93,26 +93,40 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
     import numpy as np
     import onnx_ir as ir
 
-    from ...compiler.passes import guarded, named_output, new_input
+    from ...compiler.passes import named_output, new_input
 
     options = resolve(name, options)
     lr = new_input(e, lr_name, ir.DataType.FLOAT, [])
     step = new_input(e, step_name, ir.DataType.INT64, [])
     t = e.Add(step, e.const(np.array(1, np.int64)))  # torch's step count after this update
-    inputs, new_weights, new_states = [lr, step], [], []
+    inputs, olds, owns = [lr, step], [], []
     for w in weights:
         own = resolve(name, (per_weight or {}).get(w.name, options))
         states = {s: new_input(e, state_of(w.name, s), state_dtype_of(s, w.dtype, state_dtype), w.shape)
                   for s in state_names(name, own)}
         inputs.extend(states.values())
-        new, new_values = OPTIMIZERS[name].step(e, w, grads[w.name], e.CastLike(lr, w), e.CastLike(t, w),
-                                              {s: e.CastLike(v, w) for s, v in states.items()}, own)
-        new_weights.append(named_output(e, guarded(e, apply, new, w), updated(w.name), w))
-        new_states += [named_output(e, guarded(e, apply, e.CastLike(new_values[s], states[s]), states[s]),
-                                    updated(states[s].name), states[s]) for s in states]
-    step_out = named_output(e, guarded(e, apply, t, step), updated(step_name), step)
+        olds.append((w, states))
+        owns.append(own)
+
+    def update(u):
+        """The new weights, then the new states, then the step count, emitted by ``u``."""
+        new_weights, new_states = [], []
+        for (w, states), own in zip(olds, owns):
+            new, new_values = OPTIMIZERS[name].step(u, w, grads[w.name], u.CastLike(lr, w), u.CastLike(t, w),
+                                                    {s: u.CastLike(v, w) for s, v in states.items()}, own)
+            new_weights.append(new)
+            new_states += [u.CastLike(new_values[s], states[s]) for s in states]
+        return new_weights + new_states + [t]
+
+    likes = [w for w, _ in olds] + [v for _, states in olds for v in states.values()] + [step]
+    # Where the update may not apply (accumulation micro-steps, a step whose gradients are
+    # not finite) it runs inside If(apply): a step that applies pays nothing for the choice,
+    # where a Where per weight and state read and wrote every tensor once more (29% of the
+    # MLP benchmark's step).
+    news = update(e) if apply is None else e.if_(apply, update, lambda u: likes, likes, name="optimizer_update")
+    outputs = [named_output(e, new, updated(like.name), like) for new, like in zip(news, likes)]
     # inputs: lr, step, then every state; outputs: the weights, the states, the step
-    return Appended({}, inputs, new_weights + new_states + [step_out])
+    return Appended({}, inputs, outputs)
 
 
 def _scalar(e, value: float, like: ir.Value) -> ir.Value:

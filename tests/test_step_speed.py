@@ -1,0 +1,86 @@
+"""The changes that make the training step faster leave its results as they were: the
+optimizer update inside If(apply) gives bit for bit the update without the choice, ReLU's
+gradient is exactly dy * (y > 0), and the sessions we create keep Add + LayerNormalization
+unfused."""
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradbuilder import GradientGraphBuilder
+from gradbuilder.compiler.passes import named_output
+from gradbuilder.compiler.registry import Emitter
+from gradbuilder.runtime.runner import SLOWER_FUSIONS, compile_graph
+from gradbuilder.training.stages.optimizer import OPTIMIZERS, add_optimizer, initial_state, resolve
+
+CPU = ["CPUExecutionProvider"]
+
+
+def _update_model(name: str, guarded: bool) -> bytes:
+    """The optimizer update of weights W [3, 4] and B [4] alone; with ``guarded`` it applies
+    only where the bool input ``apply`` holds."""
+    ws = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(s)) for n, s in (("W", [3, 4]), ("B", [4]))]
+    gs = [ir.Value(name=w.name + "_grad", type=ir.TensorType(ir.DataType.FLOAT), shape=w.shape) for w in ws]
+    apply = ir.Value(name="apply", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    graph = ir.Graph(ws + gs + ([apply] if guarded else []), [], nodes=[], name="update", opset_imports={"": 17})
+    e = Emitter(graph, 17)
+    e.reserve(*(v.name for v in graph.inputs))
+    done = add_optimizer(e, ws, {w.name: g for w, g in zip(ws, gs)}, name, resolve(name, {"weight_decay": 0.1}),
+                         "Learning_Rate", "Step", apply if guarded else None)
+    graph.inputs.extend(done.inputs)
+    graph.outputs.extend(done.outputs)
+    return ir.to_proto(ir.Model(graph, ir_version=8)).SerializeToString()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_update_inside_if_is_bit_identical_and_skips_exactly(name):
+    rng = np.random.default_rng(0)
+    weights = {"W": rng.standard_normal((3, 4)).astype(np.float32), "B": rng.standard_normal(4).astype(np.float32)}
+    feeds = {**weights, **{f"{w}_grad": rng.standard_normal(v.shape).astype(np.float32) for w, v in weights.items()},
+             "Learning_Rate": np.array(0.01, np.float32), "Step": np.array(3, np.int64)}
+    for w, v in weights.items():
+        for s, value in initial_state(name, resolve(name, {}), v).items():
+            feeds[f"{w}.{s}"] = value + rng.random(v.shape).astype(np.float32)  # moments >= 0
+    plain = ort.InferenceSession(_update_model(name, False), providers=CPU)
+    guarded = ort.InferenceSession(_update_model(name, True), providers=CPU)
+    names = [o.name for o in plain.get_outputs()]
+    want = plain.run(names, feeds)
+    got = guarded.run(names, {**feeds, "apply": np.array(True)})
+    for n, a, b in zip(names, want, got):
+        assert np.array_equal(a, b), n
+    kept = guarded.run(names, {**feeds, "apply": np.array(False)})
+    for n, value in zip(names, kept):
+        assert np.array_equal(value, feeds[n.removesuffix(".updated")]), n
+
+
+def test_relu_gradient_is_exactly_dy_where_y_is_positive():
+    x = np.array([[-2.0, -0.0, 0.0, 1e-30, 3.0, -1e-30]], np.float32)
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Mul", ["y", "c"], ["z"]),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0)]
+    c = np.array([[1.5, -2.0, 3.0, 0.25, -1.0, 7.0]], np.float32)
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(c, "c")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    built = GradientGraphBuilder(model, weights=["x"], outputs=["loss"], loss="loss").build().get_model()
+    (dx,) = ort.InferenceSession(built, providers=CPU).run(["x_grad"], {"x": x})
+    assert np.array_equal(dx, np.where(x > 0, c, np.float32(0)))
+
+
+def test_our_sessions_keep_add_and_layer_norm_unfused(tmp_path):
+    nodes = [helper.make_node("Add", ["x", "s"], ["a"]),
+             helper.make_node("LayerNormalization", ["a", "g", "b"], ["y"], axis=-1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 8, 16]) for n in "xs"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 16])],
+                              [numpy_helper.from_array(np.ones(16, np.float32), "g"),
+                               numpy_helper.from_array(np.zeros(16, np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    assert "SkipLayerNormFusion" in SLOWER_FUSIONS
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    compile_graph(model, so, CPU, [{}], ("cpu", 0))
+    ops = {n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node}
+    assert "SkipLayerNormalization" not in ops and "LayerNormalization" in ops
