@@ -400,10 +400,10 @@ def test_nonfinite_step_warning_points_at_the_caller():
 
 
 def test_provider_fallback_warning_points_at_the_caller(monkeypatch):
-    from gradbuilder.runtime.runner import Graph
+    from gradbuilder.runtime.runner import StepBinding
 
     s = TrainingSession(linear(), params(), providers=CPU)
-    real = Graph.run
+    real = StepBinding.run
     calls = []
 
     def fail_once(*args, **kwargs):
@@ -412,7 +412,7 @@ def test_provider_fallback_warning_points_at_the_caller(monkeypatch):
             raise RuntimeError("the device failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(Graph, "run", fail_once)
+    monkeypatch.setattr(StepBinding, "run", fail_once)
     s._state.device = ("cuda", 0)  # as if it ran on a GPU
     monkeypatch.setattr(s._state, "ortvalue", lambda v: ort.OrtValue.ortvalue_from_numpy(np.asarray(v)))
     with pytest.warns(RuntimeWarning, match="falling back to CPUExecutionProvider") as record:

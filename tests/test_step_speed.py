@@ -84,3 +84,44 @@ def test_our_sessions_keep_add_and_layer_norm_unfused(tmp_path):
     compile_graph(model, so, CPU, [{}], ("cpu", 0))
     ops = {n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node}
     assert "SkipLayerNormalization" not in ops and "LayerNormalization" in ops
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_bound_state_steps_are_bit_identical_to_unbound_ones(monkeypatch, accumulation):
+    """The step with its state bound (moments in place, the rest alternating) against the
+    same session running each step with a fresh binding, over steps with a held output, a
+    load_state in between and the step-wise API mixed in."""
+    from gradbuilder import TrainingParameters, TrainingSession
+
+    from .test_layers import _model
+
+    def session():
+        params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
+                                    gradient_accumulation_steps=accumulation)
+        return TrainingSession(_model(), params, providers=CPU)
+
+    bound, fresh = session(), session()
+    monkeypatch.setattr(fresh, "_bound_step", lambda graph, feeds, run_options: graph.run(feeds, None, run_options))
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((4, 3)).astype(np.float32), "t": rng.standard_normal((4, 2)).astype(np.float32)}
+               for _ in range(12)]
+    held = bound.run_with_ort_values(["loss"], batches[0])[0]
+    first = held.numpy().copy()
+    assert np.array_equal(first, fresh.run(["loss"], batches[0])[0])
+    for k, feeds in enumerate(batches[1:], 1):
+        if k == 5:
+            for s in (bound, fresh):
+                s.load_state({"W": np.full((3, 2), 0.5, np.float32)})
+        if k == 8:
+            for s in (bound, fresh):
+                s.lazy_reset_grad()
+                s.train_step(feeds["x"], feeds["t"])
+                s.optimizer_step()
+        assert np.array_equal(bound.run(["loss"], feeds)[0], fresh.run(["loss"], feeds)[0]), k
+    assert np.array_equal(held.numpy(), first)  # an output the caller holds is never written again
+    a, b = bound.get_state(), fresh.get_state()
+    for w in ("W", "B"):
+        assert np.array_equal(a["model"]["full_precision"][w], b["model"]["full_precision"][w])
+        for s, value in a["optimizer"][w].items():
+            assert np.array_equal(value, b["optimizer"][w][s]), (w, s)
+    assert bound.step == fresh.step

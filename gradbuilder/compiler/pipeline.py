@@ -34,7 +34,7 @@ from .passes.canonicalize import (
 )
 from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
-from .passes.expose_masks import expose_dropout_masks
+from .passes.expose_masks import expose_dropout_masks, expose_pool_indices
 from .passes.mixed_precision import autocast
 from .passes.recompute import apply_recompute
 from .passes.running_stats import expose_running_statistics, restore_training_mode
@@ -95,6 +95,7 @@ PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
     indexed_max_as_gather,
     restore_training_mode,
     expose_dropout_masks,
+    expose_pool_indices,
     expose_running_statistics,
     vector_products_without_transpose,
     store_loop_trips,

@@ -42,6 +42,10 @@ class GraphCache:
             if self.builder.recompute is not None and kind in ("step", "gradients", "accumulate"):
                 settings, disabled = session_settings(options.enable_cpu_mem_arena)  # keeps the recompute
                 options = _providers.options_with(options, **settings)
+            if kind == "step":
+                # The state's buffers are bound (runner.StepBinding): the memory pattern would
+                # only hold the first run's allocations beside a pattern-sized block.
+                options = _providers.options_with(options, enable_mem_pattern=False)
             self.compiled[kind] = compile_graph(self.serialized(kind), options, self.providers,
                                                 self.provider_options, self.device, disabled)
         return self.compiled[kind]

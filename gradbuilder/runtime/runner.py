@@ -83,6 +83,65 @@ class Graph:
         return out
 
 
+class StepBinding:
+    """A graph run step after step with its state bound once, so that no step allocates the
+    state again:
+
+    - ``in_place`` state (optimizer moments): the output ``X.updated`` is bound to the buffer
+      of its input ``X``. The optimizer's update reads them only in its own chain and writes
+      them last (inside If(apply)), after every read; a run that fails, fails before that.
+    - the other state (weights, ``Step``, running statistics, ...) alternates between two
+      buffer sets, two bindings taking turns: the backward reads the weights while their
+      update is computed, so a weight cannot be written where it is read.
+
+    ``run`` binds the caller's inputs (and the learning rate) and returns the graph's other
+    outputs, fresh each run, and the new state values (the other set's buffers).
+    """
+
+    def __init__(self, graph: Graph, state: Mapping[str, ort.OrtValue], in_place: set[str], outputs: Sequence[str]):
+        from ..interface import updated
+
+        self.graph = graph
+        kind, index = graph.device
+        alternating = {n: v for n, v in state.items() if n not in in_place and updated(n) in graph.outputs}
+        other = {n: ort.OrtValue.ortvalue_from_shape_and_type(v.shape(), NP_OF_ORT[v.data_type()], kind, index)
+                 for n, v in alternating.items()}
+        self.sets = [dict(alternating), other]
+        self.in_place = {n: state[n] for n in in_place}
+        self.outputs = [n for n in outputs if n not in {updated(s) for s in state}]
+        self.bindings = []
+        for k in (0, 1):
+            b = graph.session.io_binding()
+            for n, v in {**self.sets[k], **self.in_place}.items():
+                b.bind_ortvalue_input(n, v)
+            for n in self.outputs:
+                b.bind_output(n, kind, index)
+            for n, v in self.sets[1 - k].items():
+                b.bind_ortvalue_output(updated(n), v)
+            for n, v in self.in_place.items():
+                b.bind_ortvalue_output(updated(n), v)
+            self.bindings.append(b)
+        self.turn = 0
+
+    def holds(self, state: Mapping[str, ort.OrtValue]) -> bool:
+        """Whether ``state`` is what this binding's current turn reads (nothing replaced it)."""
+        current = {**self.sets[self.turn], **self.in_place}
+        return all(state.get(n) is v for n, v in current.items())
+
+    def run(self, feeds: Mapping[str, ort.OrtValue], run_options=None) -> tuple[dict, dict]:
+        """(the other outputs, the new state values) of one run with ``feeds``."""
+        b = self.bindings[self.turn]
+        for name, value in feeds.items():
+            b.bind_ortvalue_input(name, value)
+        self.graph.session.run_with_iobinding(b, run_options)
+        results = dict(zip(self.outputs, b.get_outputs()[: len(self.outputs)]))
+        kind, index = self.graph.device
+        for n in self.outputs:  # the next run allocates new ones: the caller may hold these
+            b.bind_output(n, kind, index)
+        self.turn = 1 - self.turn
+        return results, {**self.sets[self.turn], **self.in_place}
+
+
 # onnxruntime graph optimizers left out of every session we create. SkipLayerNormFusion fuses
 # Add + LayerNormalization into SkipLayerNormalization, whose CPU kernel in onnxruntime 1.31
 # is several times slower than the two ops it replaces (tools/bench_kernels.py re-measures

@@ -43,6 +43,7 @@ from ..interface import (ACCUMULATION_STEP, ALL_FINITE, GRAD_ACCUM, GRADIENT, LE
 from ..training.graph import from_parameters, weights_of
 from . import checkpoint, providers as _providers, schedulers
 from .graphs import GraphCache
+from .runner import StepBinding
 from .state import StateStore, fingerprint
 
 _SHARED = (STEP, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS)  # state shared by every weight
@@ -98,6 +99,7 @@ class TrainingSession:
         self._graphs.weight_specs = {w: np.broadcast_to(np.zeros((), values[w].dtype), values[w].shape)
                                      for w in self.weights}  # dtype and shape only: no memory
         self._fallback = True
+        self._step_binding = None  # the step graph's bound state (runner.StepBinding), made on the first run
         self._training = True
         self._lr = 1e-3
         self._lr_value = None
@@ -182,6 +184,8 @@ class TrainingSession:
         bound = {n: self._state.ortvalue(v) for n, v in checked.items()}
         bound.update(state)
         try:
+            if kind == "step":
+                return self._bound_step(graph, bound, run_options)
             return graph.run(bound, outputs, run_options)
         except _OrtErrors.InvalidArgument as exc:
             raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
@@ -197,6 +201,20 @@ class TrainingSession:
             self.set_providers(["CPUExecutionProvider"])
             bound = {n: self._state.ortvalue(_numpy(v)) for n, v in bound.items()}
             return self._graphs[kind].run(bound, outputs, run_options)
+
+    def _bound_step(self, graph, bound: Mapping[str, ort.OrtValue], run_options) -> dict[str, ort.OrtValue]:
+        """A full step through the step graph's StepBinding (made again when the state was
+        replaced since: a load, a device move, the step-wise API): the optimizer's states are
+        updated in place, the rest of the state alternates between two buffer sets. Returns
+        the outputs, the new state as ``X.updated``."""
+        state = self._state.values
+        binding = self._step_binding
+        if binding is None or binding.graph is not graph or not binding.holds(state):
+            in_place = {state_of(w, s) for w in self.weights for s in self._builder.state_names_of(w)}
+            binding = self._step_binding = StepBinding(graph, state, in_place, graph.outputs)
+        results, new_state = binding.run({n: v for n, v in bound.items() if n not in state}, run_options)
+        results.update({updated(n): v for n, v in new_state.items()})
+        return results
 
     def _fixed_size_failure(self, kind: str, exc: Exception, bound, state) -> str | None:
         """A run failed in a node whose target shape holds a size the export fixed: say which."""

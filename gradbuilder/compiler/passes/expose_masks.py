@@ -1,14 +1,16 @@
-"""Give training-mode Dropout nodes a mask output, so their gradient uses the exact mask.
+"""Give nodes the outputs their gradient reads, so that the backward does not compute them
+again: training-mode Dropout its mask (the gradient must use the exact mask drawn), and
+MaxPool on a weight's path its Indices (the backward read them from a second MaxPool of x).
 
-Runs on the private copy of the forward graph before differentiation; the node computes the
-same values, it only also returns the mask it drew.
+Runs on the private copy of the forward graph before differentiation; the nodes compute the
+same values, they only also return what they found.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..registry import constant_of
+from ..registry import attr, constant_of
 
 
 def expose_dropout_masks(model: ir.Model, ctx) -> None:
@@ -28,3 +30,26 @@ def expose_dropout_masks(model: ir.Model, ctx) -> None:
         mask.name = unique(f"{node.outputs[0].name}_mask")
         mask.dtype = ir.DataType.BOOL
         mask.shape = node.outputs[0].shape
+
+
+def expose_pool_indices(model: ir.Model, ctx) -> None:
+    """MaxPool nodes that a weight reaches also return their Indices (opset 16 on, where the
+    MaxPool rule scatters at them): one MaxPool with indices in the forward instead of a
+    MaxPool without them there and another with them in the backward (the CNN benchmark's
+    step: 2 of its 4 MaxPools, 22% of its kernel time)."""
+    from ..autodiff import is_float, node_inputs
+
+    if ctx.opset < 16:
+        return
+    reached = set(ctx.wrt)
+    for node in model.graph:
+        if not any(v in reached for v in node_inputs(node) if v is not None):
+            continue
+        reached.update(o for o in node.outputs if is_float(o))
+        if (node.op_type == "MaxPool" and node.domain in ("", "ai.onnx") and len(node.outputs) == 1
+                and attr(node, "storage_order", 0) == 0):
+            node.resize_outputs(2)
+            indices = node.outputs[1]
+            indices.name = ctx.unique(f"{node.outputs[0].name}_indices")
+            indices.dtype = ir.DataType.INT64
+            indices.shape = node.outputs[0].shape
