@@ -330,6 +330,21 @@ class SessionTrainer:
         return float(value.numpy())
 
 
+class StepwiseTrainer(SessionTrainer):
+    """The on-device training loop of onnxruntime-training's step-wise API: lazy_reset_grad,
+    train_step (forward and backward), optimizer_step, as a user writes it."""
+
+    def step(self):
+        self.sess.lazy_reset_grad()
+        loss = self.sess.train_step(self.feeds)
+        self.sess.optimizer_step()
+        return loss
+
+    @staticmethod
+    def loss(value) -> float:
+        return float(value)
+
+
 class OrtForward:
     """onnxruntime InferenceSession forward of the exported model (loss output), IOBinding."""
 
@@ -529,6 +544,8 @@ def bench_model(name: str, args) -> dict:
         "trainingsession": SessionTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device),
         "ort_forward": OrtForward(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device),
     }
+    if args.stepwise:
+        contenders["stepwise"] = StepwiseTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device)
     times, losses, cpu = run_interleaved(contenders, args)
     del contenders
     gc.collect()
@@ -538,6 +555,11 @@ def bench_model(name: str, args) -> dict:
                ort_forward_ms=median_ms(times["ort_forward"], args.warmup), ts_first_step_s=ts_times[0],
                pytorch_losses=pt_losses, trainingsession_losses=ts_losses, ort_forward_loss=fwd_loss,
                times_s=times, thread_cpu_s=cpu)
+    if "stepwise" in times:
+        res["stepwise_ms"] = median_ms(times["stepwise"], args.warmup)
+        print(f"  step-wise API {res['stepwise_ms']:.2f} ms ({res['stepwise_ms'] / res['trainingsession_ms']:.2f}x run(), "
+              f"{res['stepwise_ms'] / res['pytorch_ms']:.2f}x PyTorch); its losses match run()'s: "
+              f"{np.allclose(losses['stepwise'], ts_losses, rtol=1e-4, atol=1e-6)}")
     if args.threads == 1:  # the kernels ran on this thread: its CPU time is the step's work
         res.update(pytorch_cpu_ms=median_ms(cpu["pytorch"], args.warmup),
                    trainingsession_cpu_ms=median_ms(cpu["trainingsession"], args.warmup),
@@ -619,6 +641,8 @@ def parse_args(argv=None):
     ap.add_argument("--export", choices=("eval", "training"), default="eval",
                     help="torch.onnx.export mode (see the module docstring)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    ap.add_argument("--stepwise", action="store_true",
+                    help="also time the step-wise API (lazy_reset_grad, train_step, optimizer_step) as a user's loop")
     ap.add_argument("--profile", action="store_true", help="profile the TrainingSession step with onnxruntime")
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     ap.add_argument("--child", choices=("pytorch", "trainingsession"), help=argparse.SUPPRESS)

@@ -84,8 +84,8 @@ class Graph:
 
 
 class StepBinding:
-    """A graph run step after step with its state bound once, so that no step allocates the
-    state again:
+    """A graph run step after step with its state (every input ``X`` of ``state`` has the
+    output ``X.updated``) bound once, so that no step allocates the state again:
 
     - ``in_place`` state (optimizer moments): the output ``X.updated`` is bound to the buffer
       of its input ``X``. The optimizer's update reads them only in its own chain and writes
@@ -94,21 +94,22 @@ class StepBinding:
       buffer sets, two bindings taking turns: the backward reads the weights while their
       update is computed, so a weight cannot be written where it is read.
 
-    ``run`` binds the caller's inputs (and the learning rate) and returns the graph's other
-    outputs, fresh each run, and the new state values (the other set's buffers).
+    ``run`` binds the inputs given for this run (the caller's, the learning rate, state read
+    but not updated) and returns the graph's other outputs, fresh each run, and the new state
+    values (the other set's buffers, and the in-place ones).
     """
 
-    def __init__(self, graph: Graph, state: Mapping[str, ort.OrtValue], in_place: set[str], outputs: Sequence[str]):
+    def __init__(self, graph: Graph, state: Mapping[str, ort.OrtValue], in_place: set[str]):
         from ..interface import updated
 
         self.graph = graph
         kind, index = graph.device
-        alternating = {n: v for n, v in state.items() if n not in in_place and updated(n) in graph.outputs}
+        alternating = {n: v for n, v in state.items() if n not in in_place}
         other = {n: ort.OrtValue.ortvalue_from_shape_and_type(v.shape(), NP_OF_ORT[v.data_type()], kind, index)
                  for n, v in alternating.items()}
         self.sets = [dict(alternating), other]
         self.in_place = {n: state[n] for n in in_place}
-        self.outputs = [n for n in outputs if n not in {updated(s) for s in state}]
+        self.outputs = [n for n in graph.outputs if n not in {updated(s) for s in state}]
         self.bindings = []
         for k in (0, 1):
             b = graph.session.io_binding()
@@ -126,7 +127,7 @@ class StepBinding:
     def holds(self, state: Mapping[str, ort.OrtValue]) -> bool:
         """Whether ``state`` is what this binding's current turn reads (nothing replaced it)."""
         current = {**self.sets[self.turn], **self.in_place}
-        return all(state.get(n) is v for n, v in current.items())
+        return len(state) == len(current) and all(state.get(n) is v for n, v in current.items())
 
     def run(self, feeds: Mapping[str, ort.OrtValue], run_options=None) -> tuple[dict, dict]:
         """(the other outputs, the new state values) of one run with ``feeds``."""

@@ -99,7 +99,7 @@ class TrainingSession:
         self._graphs.weight_specs = {w: np.broadcast_to(np.zeros((), values[w].dtype), values[w].shape)
                                      for w in self.weights}  # dtype and shape only: no memory
         self._fallback = True
-        self._step_binding = None  # the step graph's bound state (runner.StepBinding), made on the first run
+        self._bindings: dict[str, StepBinding] = {}  # kind -> its bound state, made on its first run
         self._training = True
         self._lr = 1e-3
         self._lr_value = None
@@ -176,21 +176,24 @@ class TrainingSession:
         return self._lr_value
 
     def _run(self, kind: str, feeds: Mapping[str, object], state: Mapping[str, ort.OrtValue],
-             outputs: Sequence[str] | None = None, run_options=None) -> dict[str, ort.OrtValue]:
-        """Run graph ``kind`` with the user's ``feeds`` (validated) and the ``state`` values;
-        returns every output as an OrtValue. Falls back to CPU once on a provider failure."""
+             per_run: Mapping[str, ort.OrtValue] = {}, run_options=None) -> dict[str, ort.OrtValue]:
+        """Run graph ``kind`` with the user's ``feeds`` (validated), the ``state`` it updates
+        (each ``X`` with its output ``X.updated``; bound once across runs, see ``_bound``) and
+        the values it only reads this run (``per_run``); returns every output as an
+        OrtValue. Falls back to CPU once on a provider failure."""
         graph = self._graphs[kind]
-        checked = graph.check_feeds(feeds, state, self._check_labels if self._labels else None)
-        bound = {n: self._state.ortvalue(v) for n, v in checked.items()}
-        bound.update(state)
+        given = {**state, **per_run}
+        checked = graph.check_feeds(feeds, given, self._check_labels if self._labels else None)
+        user = {n: self._state.ortvalue(v) for n, v in checked.items()}
         try:
-            if kind == "step":
-                return self._bound_step(graph, bound, run_options)
-            return graph.run(bound, outputs, run_options)
+            if kind in _BOUND:
+                return self._bound(kind, graph, state, {**user, **per_run}, run_options)
+            return graph.run({**user, **given}, None, run_options)
         except _OrtErrors.InvalidArgument as exc:
             raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
         except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError) as exc:
-            fixed = self._fixed_size_failure(kind, exc, bound, state)
+            bound = {**user, **given}
+            fixed = self._fixed_size_failure(kind, exc, bound, given)
             if fixed:
                 raise InvalidArgumentError(fixed) from exc
             providers = self._graphs.providers
@@ -200,19 +203,21 @@ class TrainingSession:
             compat.warn(f"{providers[0]} failed ({exc}); falling back to CPUExecutionProvider", RuntimeWarning)
             self.set_providers(["CPUExecutionProvider"])
             bound = {n: self._state.ortvalue(_numpy(v)) for n, v in bound.items()}
-            return self._graphs[kind].run(bound, outputs, run_options)
+            return self._graphs[kind].run(bound, None, run_options)
 
-    def _bound_step(self, graph, bound: Mapping[str, ort.OrtValue], run_options) -> dict[str, ort.OrtValue]:
-        """A full step through the step graph's StepBinding (made again when the state was
-        replaced since: a load, a device move, the step-wise API): the optimizer's states are
-        updated in place, the rest of the state alternates between two buffer sets. Returns
-        the outputs, the new state as ``X.updated``."""
-        state = self._state.values
-        binding = self._step_binding
+    def _bound(self, kind: str, graph, state, per_run, run_options) -> dict[str, ort.OrtValue]:
+        """A run through the graph's StepBinding (made again when the state was replaced since:
+        a load, a device move, the other API): the optimizer's states are updated in place,
+        the rest of the state alternates between two buffer sets. Returns the outputs, the new
+        state as ``X.updated``."""
+        read = {n: v for n, v in state.items() if n in graph.inputs and updated(n) not in graph.outputs}
+        state = {n: v for n, v in state.items() if n in graph.inputs and updated(n) in graph.outputs}
+        per_run = {**per_run, **read}
+        binding = self._bindings.get(kind)
         if binding is None or binding.graph is not graph or not binding.holds(state):
-            in_place = {state_of(w, s) for w in self.weights for s in self._builder.state_names_of(w)}
-            binding = self._step_binding = StepBinding(graph, state, in_place, graph.outputs)
-        results, new_state = binding.run({n: v for n, v in bound.items() if n not in state}, run_options)
+            in_place = {state_of(w, s) for w in self.weights for s in self._builder.state_names_of(w)} & set(state)
+            binding = self._bindings[kind] = StepBinding(graph, state, in_place)
+        results, new_state = binding.run(per_run, run_options)
         results.update({updated(n): v for n, v in new_state.items()})
         return results
 
@@ -253,8 +258,7 @@ class TrainingSession:
         feeds, lr = self._lr_feed(input_feed)
         names = self._check_outputs(output_names)
         rate = self._lr_ortvalue() if lr is None or lr == self._lr else self._state.ortvalue(np.array(lr, np.float32))
-        state = {**self._state.values, self._builder.lr_name: rate}
-        results = self._run("step", feeds, state, run_options=run_options)
+        results = self._run("step", feeds, dict(self._state.values), {self._builder.lr_name: rate}, run_options)
         self._check_finite(results)
         self._state.commit(results)
         if lr is not None:
@@ -330,10 +334,10 @@ class TrainingSession:
         if not self._training:
             raise InvalidArgumentError("train_step in eval mode; call train() first")
         kind = "gradients" if self._reset_grads else "accumulate"
-        state = self._state.take(self.weights + self.buffers)
+        state = self._state.take(self.buffers)
         if kind == "accumulate":
             state.update({grad_accum(w): self._state.grads[w] for w in self.weights})
-        results = self._run(kind, self._positional(inputs), state)
+        results = self._run(kind, self._positional(inputs), state, self._state.take(self.weights))
         self._state.grads = {w: results[updated(grad_accum(w))] for w in self.weights}
         self._state.commit({updated(b): results[updated(b)] for b in self.buffers})
         self._reset_grads = False
@@ -354,9 +358,8 @@ class TrainingSession:
             raise InvalidArgumentError("optimizer_step before any train_step: there are no gradients yet")
         state = {n: v for n, v in self._state.values.items() if n not in (ACCUMULATION_STEP, *self.buffers)
                  and not n.endswith(GRAD_ACCUM)}
-        state.update({w + GRADIENT: self._state.grads[w] for w in self.weights})
-        state[LEARNING_RATE] = self._lr_ortvalue()
-        results = self._run("optimizer", {}, state)
+        per_run = {w + GRADIENT: self._state.grads[w] for w in self.weights}
+        results = self._run("optimizer", {}, state, {**per_run, LEARNING_RATE: self._lr_ortvalue()})
         self._check_finite(results)
         self._state.commit(results)
 
@@ -687,6 +690,7 @@ class TrainingIOBinding:
 
 # ---------------------------------------------------------------------------- helpers
 _OrtErrors = ort.capi.onnxruntime_pybind11_state
+_BOUND = ("step", "gradients", "accumulate", "optimizer")  # the kinds whose state stays bound
 _CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 
 
