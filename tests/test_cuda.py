@@ -1,0 +1,77 @@
+"""The CUDA paths. On a machine with a usable CUDA GPU they train on it and compare with the
+CPU; elsewhere they check that asking for CUDA says clearly that it is not there and what
+happens instead. tools/gpu_check.sh runs this file and the benchmarks on a GPU machine."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from gradbuilder import InvalidArgumentError, TrainingParameters, TrainingSession, get_available_providers
+
+from .test_layers import _model
+
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+GPU = CUDA in get_available_providers()  # usable here, not only built in
+
+
+def _batches(n=8):
+    rng = np.random.default_rng(0)
+    return [{"x": rng.standard_normal((4, 3)).astype(np.float32), "t": rng.standard_normal((4, 2)).astype(np.float32)}
+            for _ in range(n)]
+
+
+def _train(providers, **options):
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = TrainingSession(_model(), params, providers=providers)
+    losses = [float(sess.run(["loss"], b)[0]) for b in _batches()]
+    return sess, losses, caught
+
+
+def test_training_session_on_cuda_matches_the_cpu():
+    cpu, cpu_losses, _ = _train([CPU])
+    sess, losses, caught = _train([CUDA, CPU])
+    if GPU:
+        assert sess.get_providers()[0] == CUDA
+        assert sess._state["W"].device_name().lower() == "cuda"  # the state lives on the device
+        np.testing.assert_allclose(losses, cpu_losses, rtol=1e-4)
+        np.testing.assert_allclose(sess.get_state()["model"]["full_precision"]["W"],
+                                   cpu.get_state()["model"]["full_precision"]["W"], rtol=1e-4, atol=1e-6)
+    else:
+        assert any("CUDAExecutionProvider is not usable" in str(w.message) for w in caught)
+        assert sess.get_providers() == [CPU] and losses == cpu_losses
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mixed_precision_on_cuda(dtype):
+    if not GPU and dtype == "bfloat16":
+        with pytest.raises(InvalidArgumentError, match="'bfloat16' needs CUDAExecutionProvider"):
+            _train([CPU], use_mixed_precision=True, mixed_precision_dtype=dtype)
+        return
+    _, full, _ = _train([CPU])
+    sess, losses, _ = _train([CUDA, CPU], use_mixed_precision=True, mixed_precision_dtype=dtype)
+    assert sess.get_providers()[0] == (CUDA if GPU else CPU)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, full, rtol=5e-2 if dtype == "bfloat16" else 1e-2)
+
+
+@pytest.mark.skipif(not (GPU and torch.cuda.is_available()), reason="needs a CUDA GPU with torch's CUDA build")
+def test_ortmodule_with_cuda_tensors_matches_the_module():
+    from gradbuilder.ortmodule import ORTModule
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).cuda()
+    wrapped = ORTModule(copy.deepcopy(plain))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, wrapped)]
+    x, y = torch.randn(32, 8, device="cuda"), torch.randint(0, 4, (32,), device="cuda")
+    for _ in range(5):
+        for m, opt in zip((plain, wrapped), opts):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
