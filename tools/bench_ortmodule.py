@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
                              batches, args.device),
     }
     del module
-    times, losses = bt.run_interleaved(contenders, args)
+    times, losses, _ = bt.run_interleaved(contenders, args)
 
     pt_ms, ort_ms = bt.median_ms(times["pytorch"], args.warmup), bt.median_ms(times["ortmodule"], args.warmup)
     rel, rel_step = loss_rel_diff(losses["pytorch"], losses["ortmodule"])
