@@ -2,12 +2,13 @@
 
 A row of -inf (an attention row masked out entirely) has a NaN softmax, which models mask
 to zeros afterwards (ONNX's Attention does), so no gradient reaches it; the rules count NaN
-entries of y as 0 so that none spreads through the backward graph either.
+entries of y as 0 so that none spreads through the backward graph either, unless the
+forward's input cannot hold -inf (``passes.finite_inputs`` marks those nodes).
 """
 
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, register
+from gradbuilder.compiler.registry import FINITE_INPUT, attr, register
 from gradbuilder.rules.sizes import cast_to
 
 
@@ -29,7 +30,8 @@ def softmax(n, dys, needs, e):
     """dx = y * (dy - sum(dy * y, axis))"""
     (y,) = n.outputs
     (dy,) = dys
-    y = _nan_to_zero(e, y)
+    if not n.meta.get(FINITE_INPUT):
+        y = _nan_to_zero(e, y)
     return (e.Mul(y, e.Sub(dy, _sum(e, n, e.Mul(dy, y)))),)
 
 
@@ -38,4 +40,7 @@ def log_softmax(n, dys, needs, e):
     """dx = dy - exp(y) * sum(dy, axis)"""
     (y,) = n.outputs
     (dy,) = dys
-    return (e.Sub(dy, e.Mul(_nan_to_zero(e, e.Exp(y)), _sum(e, n, dy))),)
+    p = e.Exp(y)
+    if not n.meta.get(FINITE_INPUT):
+        p = _nan_to_zero(e, p)
+    return (e.Sub(dy, e.Mul(p, _sum(e, n, dy))),)

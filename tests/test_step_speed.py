@@ -127,3 +127,26 @@ def test_bound_state_steps_are_bit_identical_to_unbound_ones(monkeypatch, accumu
         for s, value in a["optimizer"][w].items():
             assert np.array_equal(value, b["optimizer"][w][s]), (w, s)
     assert bound.step == fresh.step
+
+
+def _softmax_model(masked: bool):
+    nodes = [helper.make_node("Add", ["W", "mask"], ["z"]) if masked else helper.make_node("Identity", ["W"], ["z"]),
+             helper.make_node("Softmax", ["z"], ["p"], axis=-1), helper.make_node("Mul", ["p", "c"], ["pc"]),
+             helper.make_node("ReduceSum", ["pc"], ["loss"], keepdims=0)]
+    inputs = [helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 3])] if masked else []
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "W"),
+                               numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "c")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_softmax_nan_guard_only_where_the_input_can_be_minus_inf():
+    plain = onnx.load_from_string(GradientGraphBuilder(_softmax_model(False), ["W"], ["loss"], "loss").build().get_model())
+    assert "IsNaN" not in {n.op_type for n in plain.graph.node}  # weights alone: finite
+    built = GradientGraphBuilder(_softmax_model(True), ["W"], ["loss"], "loss").build().get_model()
+    assert "IsNaN" in {n.op_type for n in onnx.load_from_string(built).graph.node}  # a data input may mask
+    mask = np.zeros((2, 3), np.float32)
+    mask[1] = -np.inf  # a row masked out entirely: NaN softmax, no gradient through it
+    (dw,) = ort.InferenceSession(built, providers=CPU).run(["W_grad"], {"mask": mask})
+    assert np.all(np.isfinite(dw)) and np.all(dw[1] == 0)

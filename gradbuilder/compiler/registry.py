@@ -31,6 +31,8 @@ FLOAT_TYPES = frozenset(ir.DataType(t) for t in FLOAT_TENSOR_TYPES)  # as onnx_i
 # Node metadata a pass leaves for a rule: the indices of the body inputs a Loop stores per
 # trip (``passes.store_trips``), read by the Loop rule.
 TRIPS = "gradbuilder.trips"
+# Set by passes.finite_inputs on a Softmax or LogSoftmax whose input cannot hold -inf.
+FINITE_INPUT = "gradbuilder.finite_input"
 
 
 @dataclasses.dataclass(frozen=True)
