@@ -12,7 +12,8 @@ activations the backward holds, plus the step's transient buffers). onnxruntime'
 is on, as in a default SessionOptions (it grows to the step's peak and keeps it); ``--arena
 off`` measures without it, where freed buffers go back to the system. Ratios are against the
 ``none`` configuration of the same run; the planner's own estimate is printed beside them.
-Losses are compared with ``none`` to show the gradients are unchanged.
+Losses are compared with ``none`` to show the gradients are unchanged. The CPU pressure and
+load average are printed around each child (tools/benchlib.py); each waits for a calm machine.
 
 Configurations (TrainingParameters):
     none        no recompute
@@ -38,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train as bt  # noqa: E402  (the models and helpers are shared)
+import benchlib  # noqa: E402
 
 from gradbuilder import TrainingParameters, TrainingSession  # noqa: E402
 
@@ -72,7 +74,7 @@ def child(args) -> None:
     sess = TrainingSession(model, params, sess_options=so, providers=["CPUExecutionProvider"])
     sess.set_learning_rate(bt.LR)
     feeds = bt.ort_inputs(data, "cpu")
-    sess._graph("step")  # build and load the step graph before the baseline
+    sess._graphs["step"]  # build and load the step graph before the baseline
     report = sess.recompute_report
     base = bt.rss_mib("VmRSS")
     times, losses = [], []
@@ -116,7 +118,10 @@ def main(argv=None) -> None:
         for name in configs:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dir", tmp, "--steps",
                    str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--arena", args.arena]
+            benchlib.calm()
+            before = benchlib.reading()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            print(f"  {name}: {before} before, {benchlib.reading()} after")
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}")
