@@ -150,3 +150,22 @@ def test_softmax_nan_guard_only_where_the_input_can_be_minus_inf():
     mask[1] = -np.inf  # a row masked out entirely: NaN softmax, no gradient through it
     (dw,) = ort.InferenceSession(built, providers=CPU).run(["W_grad"], {"mask": mask})
     assert np.all(np.isfinite(dw)) and np.all(dw[1] == 0)
+
+
+def test_bias_gradient_as_a_matrix_vector_product_is_the_sum():
+    """A float32 bias over 2 x 96 rows: ones @ dy (a MatMul, see Emitter.unbroadcast), equal to
+    the float64 sum of dy over the rows within float32 rounding."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 96, 16)).astype(np.float32)
+    c = rng.standard_normal((2, 96, 16)).astype(np.float32)
+    nodes = [helper.make_node("Add", ["x", "b"], ["y"]), helper.make_node("Mul", ["y", "c"], ["z"]),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 96, 16])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(np.zeros(16, np.float32), "b"), numpy_helper.from_array(c, "c")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    built = GradientGraphBuilder(model, ["b"], ["loss"], "loss").build().get_model()
+    ops = [n.op_type for n in onnx.load_from_string(built).graph.node]
+    assert ops.count("MatMul") == 1 and ops.count("ReduceSum") == 1  # the forward's loss alone reduces
+    (db,) = ort.InferenceSession(built, providers=CPU).run(["b_grad"], {"x": x})
+    np.testing.assert_allclose(db, c.astype(np.float64).sum(axis=(0, 1)), rtol=1e-5, atol=1e-5)

@@ -538,7 +538,15 @@ class Emitter:
             if static:
                 if not axes:
                     return grad
-                if len(axes) == lead:  # only leading axes: one ReduceSum without keepdims
+                if len(axes) == lead and self._sums_as_product(grad, g, lead):
+                    # only leading axes, all sizes known, float32: ones[1, M] @ grad[M, N], a
+                    # matrix-vector product that onnxruntime runs on every thread, where its
+                    # ReduceSum over the leading axes gets slower with a second thread
+                    m, n = int(np.prod(g[:lead])), int(np.prod(g[lead:], dtype=np.int64))
+                    flat = self.Reshape(grad, self.ints([m, n]))
+                    ones = self.const(np.ones((1, m), np.float32))
+                    out = self.Reshape(self.MatMul(ones, flat), self.ints(list(x)))
+                elif len(axes) == lead:  # only leading axes: one ReduceSum without keepdims
                     out = self.reduce("ReduceSum", grad, axes, keepdims=False)
                 else:
                     out = self.reduce("ReduceSum", grad, axes, keepdims=True)
@@ -547,6 +555,11 @@ class Emitter:
                 self.typed(out, like.dtype, x)
                 return out
         return self._unbroadcast_dynamic(grad, like)
+
+    @staticmethod
+    def _sums_as_product(grad: ir.Value, dims, lead: int) -> bool:
+        return (grad.dtype == ir.DataType.FLOAT and lead > 0 and all(isinstance(d, int) for d in dims)
+                and int(np.prod(dims[:lead])) >= 64)
 
     def _unbroadcast_dynamic(self, grad: ir.Value, like: ir.Value) -> ir.Value:
         gshape = self.shape(grad)
