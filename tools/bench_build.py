@@ -201,18 +201,25 @@ def _session_child(path: str) -> None:
                       "first_step_s": t2 - t1, "peak_over_start_mb": _peak_rss_mb() - base}))
 
 
+def _children(args, sizes, flag: str) -> list[dict]:
+    """For each size, the model generated and saved, then measured by a fresh child process
+    (``flag`` path): the JSON rows it printed."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            path = os.path.join(tmp, f"transformer_{n}.onnx")
+            onnx.save(make(args.kind, layers_for(args.kind, n)), path)
+            out = subprocess.run([sys.executable, __file__, flag, path], capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"{flag[2:]} on the {n}-node model failed:\n{out.stderr}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
 def _sessions(args) -> None:
     if args.kind != "exported":
         sys.exit("--session measures the exported model (its inputs are tokens and labels)")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in args.nodes:
-            path = os.path.join(tmp, f"transformer_{n}.onnx")
-            onnx.save(make(args.kind, layers_for(args.kind, n)), path)
-            out = subprocess.run([sys.executable, __file__, "--session-child", path], capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"session on the {n}-node model failed:\n{out.stderr}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = _children(args, args.nodes, "--session-child")
     print(f"{'fwd nodes':>9} {'construct s':>11} {'1st step s':>10} {'peak MB':>8}")
     for r in rows:
         print(f"{r['forward_nodes']:9d} {r['construct_s']:11.2f} {r['first_step_s']:10.2f} {r['peak_over_start_mb']:8.0f}")
@@ -237,15 +244,7 @@ def main() -> None:
         return
     from tqdm import tqdm  # a progress bar on a terminal (stderr), nothing in logs and pipes
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in tqdm(args.nodes, desc=f"bench_build {args.kind}", unit=" models", disable=None):
-            path = os.path.join(tmp, f"transformer_{n}.onnx")
-            onnx.save(make(args.kind, layers_for(args.kind, n)), path)
-            out = subprocess.run([sys.executable, __file__, "--child", path], capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"build of {n}-node model failed:\n{out.stderr}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = _children(args, tqdm(args.nodes, desc=f"bench_build {args.kind}", unit=" models", disable=None), "--child")
     print(f"kind: {args.kind}")
     print(f"{'fwd nodes':>9} {'out nodes':>9} {'load s':>7} {'diff s':>7} {'ser s':>7} {'total s':>8} "
           f"{'model MB':>9} {'peak MB':>8} {'peak/(3*model+200)':>19} {'us/node':>8}")
