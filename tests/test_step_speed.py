@@ -169,3 +169,24 @@ def test_bias_gradient_as_a_matrix_vector_product_is_the_sum():
     assert ops.count("MatMul") == 1 and ops.count("ReduceSum") == 1  # the forward's loss alone reduces
     (db,) = ort.InferenceSession(built, providers=CPU).run(["b_grad"], {"x": x})
     np.testing.assert_allclose(db, c.astype(np.float64).sum(axis=(0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_read_after_the_update_may_start_is_not_updated_in_place():
+    """A second output reads W but not the loss: onnxruntime may run it after the optimizer's
+    If, so W alternates between two buffers instead of being updated in place, and that
+    output always sees the weights the step started from."""
+    from gradbuilder import TrainingParameters, TrainingSession
+
+    model = _softmax_model(False)  # loss = sum(softmax(W) * c)
+    model.graph.node.append(helper.make_node("Mul", ["W", "W"], ["w2"]))
+    model.graph.output.append(helper.make_tensor_value_info("w2", TensorProto.FLOAT, [2, 3]))
+    sess = TrainingSession(model, TrainingParameters(loss_output_name="loss", training_optimizer_name="sgd"),
+                           providers=CPU)
+    sess.set_learning_rate(0.5)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    for _ in range(3):
+        loss, w2 = sess.run(["loss", "w2"], {})
+        np.testing.assert_array_equal(w2, w * w)  # the weights before this step's update
+        w = sess.get_state()["model"]["full_precision"]["W"]
+    in_place = sess._graphs.in_place("step")
+    assert "W" not in in_place and "Step" in in_place

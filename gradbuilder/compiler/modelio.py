@@ -364,6 +364,19 @@ def _take_types(ours: onnx.GraphProto, theirs: onnx.GraphProto) -> None:
                     _take_types(g, h)
 
 
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name ``node`` reads, its subgraphs' reads from the enclosing scopes included."""
+    names = set(node.input)
+    for g in _subgraphs(node):
+        inner = {i.name for i in g.input} | {t.name for t in g.initializer}
+        for n in g.node:
+            inner.update(n.output)
+        for n in g.node:
+            names.update(x for x in node_reads(n) if x not in inner)
+    names.discard("")
+    return names
+
+
 def to_ir(proto: onnx.ModelProto) -> ir.Model:
     try:
         return ir.from_proto(proto)

@@ -68,7 +68,7 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str], keep
     forward_graph_inputs = [i for i in full.graph.input if i.name not in seed_names]
     fw = _part(full, fw_nodes, forward_graph_inputs, out_infos + saved_infos, "forward")
     read_inputs = [i for i in forward_graph_inputs if i.name in forward_inputs_read]
-    bw_reads = set().union(*(_node_reads(n) for n in bw_nodes)) | {g.name for g in grad_infos}
+    bw_reads = set().union(*(modelio.node_reads(n) for n in bw_nodes)) | {g.name for g in grad_infos}
     outputs_read = [i for i in out_infos if i.name in bw_reads]
     bw_inputs = seed_inputs + outputs_read + saved_infos + read_inputs
     bw = _part(full, bw_nodes, bw_inputs, grad_infos, "backward")
@@ -198,21 +198,6 @@ def _copy_views_into_backward(graph: ir.Graph, forward_ids: set[int], saved: dic
     return changed
 
 
-def _node_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name ``node`` reads, its subgraphs' outer reads included."""
-    names = set(node.input)
-    for attr in node.attribute:
-        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
-                  list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else []):
-            inner = {i.name for i in g.input} | {t.name for t in g.initializer}
-            for n in g.node:
-                inner.update(n.output)
-            for n in g.node:
-                names.update(x for x in _node_reads(n) if x not in inner)
-    names.discard("")
-    return names
-
-
 def _part(full: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.ModelProto:
     """A model of ``nodes`` from ``full`` with the given inputs and outputs and the
     initializers the nodes read; nodes whose outputs nothing reads are left out (a view now
@@ -222,7 +207,7 @@ def _part(full: onnx.ModelProto, nodes, inputs, outputs, name: str) -> onnx.Mode
     for n in reversed(list(nodes)):
         if any(o in needed for o in n.output):
             kept.append(n)
-            needed |= _node_reads(n)
+            needed |= modelio.node_reads(n)
     graph = onnx.helper.make_graph(kept[::-1], f"{full.graph.name}_{name}", list(inputs), list(outputs),
                                    [t for t in full.graph.initializer if t.name in needed])
     return onnx.helper.make_model(graph, opset_imports=list(full.opset_import), ir_version=full.ir_version,

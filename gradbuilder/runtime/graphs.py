@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from ..compiler import modelio
+from ..interface import updated
 from ..training.graph import StepGradientsBuilder, TrainingGraphBuilder, eval_model, optimizer_only_model
 from . import providers as _providers
 from .recompute import session_settings
@@ -43,6 +44,7 @@ class GraphCache:
         self.built: dict[str, bytes] = {}  # kind -> serialized graph (independent of providers)
         self.compiled: dict[str, Graph] = {}  # kind -> its compiled graph
         self.weight_specs: Mapping[str, np.ndarray] = {}  # weight -> an array of its dtype and shape
+        self._in_place: dict[str, frozenset[str]] = {}  # kind -> its state updated in place
 
     def __getitem__(self, kind: str) -> Graph:
         if kind not in self.compiled:
@@ -85,6 +87,16 @@ class GraphCache:
         modelio.weights_as_inputs(proto, self.state)
         return proto.SerializeToString()
 
+    def in_place(self, kind: str) -> frozenset[str]:
+        """The state inputs ``X`` of graph ``kind`` whose output ``X.updated`` may be written
+        into ``X``'s own buffer: it is made by an element-wise node or an If (the optimizer's,
+        which waits for every gradient), and every other node that reads ``X`` runs before it
+        (is one of its ancestors). The weights of a training step qualify: the forward and the
+        backward read them before the update can start."""
+        if kind not in self._in_place:
+            self._in_place[kind] = _written_after_every_read(onnx.ModelProto.FromString(self.serialized(kind)).graph)
+        return self._in_place[kind]
+
     def set_providers(self, providers, provider_options, device) -> None:
         """Compile again for other providers (the built graphs are kept)."""
         self.providers, self.provider_options, self.device = providers, provider_options, device
@@ -94,3 +106,40 @@ class GraphCache:
         """Forget every graph: the model's constants changed."""
         self.built.clear()
         self.compiled.clear()
+        self._in_place.clear()
+
+
+_ELEMENTWISE_WRITERS = frozenset({"If", "Where", "Add", "Sub", "Mul", "Identity", "Cast"})
+
+
+def _written_after_every_read(graph: onnx.GraphProto) -> frozenset[str]:
+    nodes = list(graph.node)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    reads = [modelio.node_reads(n) for n in nodes]
+    readers: dict[str, list[int]] = {}
+    for k, names in enumerate(reads):
+        for name in names:
+            readers.setdefault(name, []).append(k)
+    ancestors: dict[int, set[int]] = {}
+
+    def ancestors_of(k: int) -> set[int]:
+        if k not in ancestors:
+            seen, stack = set(), [k]
+            while stack:
+                for name in reads[stack.pop()]:
+                    p = producer.get(name)
+                    if p is not None and p not in seen:
+                        seen.add(p)
+                        stack.append(p)
+            ancestors[k] = seen
+        return ancestors[k]
+
+    safe = set()
+    for i in graph.input:
+        writer = producer.get(updated(i.name))
+        if writer is None or nodes[writer].op_type not in _ELEMENTWISE_WRITERS or nodes[writer].domain not in ("", "ai.onnx"):
+            continue
+        before = ancestors_of(writer)
+        if all(r == writer or r in before for r in readers.get(i.name, [])):
+            safe.add(i.name)
+    return frozenset(safe)

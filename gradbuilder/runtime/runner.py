@@ -87,12 +87,11 @@ class StepBinding:
     """A graph run step after step with its state (every input ``X`` of ``state`` has the
     output ``X.updated``) bound once, so that no step allocates the state again:
 
-    - ``in_place`` state (optimizer moments): the output ``X.updated`` is bound to the buffer
-      of its input ``X``. The optimizer's update reads them only in its own chain and writes
-      them last (inside If(apply)), after every read; a run that fails, fails before that.
-    - the other state (weights, ``Step``, running statistics, ...) alternates between two
-      buffer sets, two bindings taking turns: the backward reads the weights while their
-      update is computed, so a weight cannot be written where it is read.
+    - ``in_place`` state (``GraphCache.in_place``: written after every read of it, as the
+      weights and moments the optimizer's If updates once every gradient is there): the
+      output ``X.updated`` is bound to the buffer of its input ``X``. A run that fails, fails
+      before that write.
+    - the other state alternates between two buffer sets, two bindings taking turns.
 
     ``run`` binds the inputs given for this run (the caller's, the learning rate, state read
     but not updated) and returns the graph's other outputs, fresh each run, and the new state

@@ -207,16 +207,16 @@ class TrainingSession:
 
     def _bound(self, kind: str, graph, state, per_run, run_options) -> dict[str, ort.OrtValue]:
         """A run through the graph's StepBinding (made again when the state was replaced since:
-        a load, a device move, the other API): the optimizer's states are updated in place,
-        the rest of the state alternates between two buffer sets. Returns the outputs, the new
+        a load, a device move, the other API): the state written after every read of it
+        (``GraphCache.in_place``: the weights and the optimizer's states of a step) is updated
+        in place, the rest alternates between two buffer sets. Returns the outputs, the new
         state as ``X.updated``."""
         read = {n: v for n, v in state.items() if n in graph.inputs and updated(n) not in graph.outputs}
         state = {n: v for n, v in state.items() if n in graph.inputs and updated(n) in graph.outputs}
         per_run = {**per_run, **read}
         binding = self._bindings.get(kind)
         if binding is None or binding.graph is not graph or not binding.holds(state):
-            in_place = {state_of(w, s) for w in self.weights for s in self._builder.state_names_of(w)} & set(state)
-            binding = self._bindings[kind] = StepBinding(graph, state, in_place)
+            binding = self._bindings[kind] = StepBinding(graph, state, self._graphs.in_place(kind) & set(state))
         results, new_state = binding.run(per_run, run_options)
         results.update({updated(n): v for n, v in new_state.items()})
         return results
