@@ -287,9 +287,9 @@ def float64_losses(module: nn.Module, batch: dict[str, np.ndarray], steps: int) 
 class TorchTrainer:
     """Eager PyTorch: zero_grad, forward, backward, AdamW step."""
 
-    def __init__(self, module: nn.Module, inputs: dict[str, torch.Tensor]):
+    def __init__(self, module: nn.Module, inputs: dict[str, torch.Tensor], fused: bool = False):
         self.model = module.to(inputs["x"].device).train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=fused or None)
         self.x, self.y = inputs["x"], inputs["y"]
 
     def step(self):
@@ -540,7 +540,7 @@ def bench_model(name: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     contenders = {
-        "pytorch": TorchTrainer(copy.deepcopy(module), torch_inputs(batch, args.device)),
+        "pytorch": TorchTrainer(copy.deepcopy(module), torch_inputs(batch, args.device), args.fused),
         "trainingsession": SessionTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device),
         "ort_forward": OrtForward(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device),
     }
@@ -642,6 +642,7 @@ def parse_args(argv=None):
     ap.add_argument("--export", choices=("eval", "training"), default="eval",
                     help="torch.onnx.export mode (see the module docstring)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    ap.add_argument("--fused", action="store_true", help="PyTorch with AdamW(fused=True), one kernel per step")
     ap.add_argument("--stepwise", action="store_true",
                     help="also time the step-wise API (lazy_reset_grad, train_step, optimizer_step) as a user's loop")
     ap.add_argument("--profile", action="store_true", help="profile the TrainingSession step with onnxruntime")
