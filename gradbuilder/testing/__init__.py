@@ -27,9 +27,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..compiler import modelio
 from ..compiler.builder import GradientGraphBuilder
+from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError, InvalidModelError
 
-_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+_FLOATS = FLOAT_TENSOR_TYPES
 
 
 # ----------------------------------------------------------------------------- float64

@@ -9,7 +9,7 @@ step to the inputs of the next):
 
 - inputs: the model's inputs; every weight ``W`` (its initializer kept as default value);
   ``Learning_Rate`` (float scalar); ``Step`` (int64 scalar, updates done so far, 0 at the
-  start); one input per optimizer state, ``W.<state>`` (see ``passes.optimizer``).
+  start); one input per optimizer state, ``W.<state>`` (see ``training.stages.optimizer``).
 - outputs: the requested outputs (the loss first by default), the gradients ``W_grad`` when
   ``gradients_as_outputs``, then ``W.updated`` per weight, ``W.<state>.updated`` per state and
   ``Step.updated``.

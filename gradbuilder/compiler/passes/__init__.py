@@ -1,4 +1,6 @@
-"""Graph transforms, one module each; every pass is a function Model -> Model."""
+"""Graph passes, one module each. Every pass is a function ``fn(model, ctx)`` over the onnx_ir
+model (``ctx``: ``compiler.pipeline.Context``), listed in the pipeline's PREPARE or FINISH;
+this module holds the few helpers they and the training stages share."""
 
 import onnx_ir as _ir
 
