@@ -300,11 +300,22 @@ def fold_shape_computations(model: ir.Model, ctx) -> None:
     class ShapeFolder(constant_folding.FoldConstantsPass):
         def process_node(self, node, is_function):
             if node.domain not in ("", "ai.onnx") or not all(_integer_like(o) for o in node.outputs):
+                if node.domain in ("", "ai.onnx") and not _has_subgraph(node) and _shape_unknown(node):
+                    self._do_inference(node)  # a shape the folded sizes now give (a Reshape's)
                 return None
             return super().process_node(node, is_function)
 
     ShapeFolder(shape_inference=False, input_size_limit=1024, output_size_limit=1024)(model)
     ctx.emitter.reserve(*collect_names(model.graph))  # the folder's new names are taken too
+
+
+def _has_subgraph(node: ir.Node) -> bool:
+    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
+
+
+def _shape_unknown(node: ir.Node) -> bool:
+    """Some output of ``node`` lacks a rank or a size that its inputs may now give."""
+    return any(o.shape is None or any(not isinstance(d, int) for d in o.shape) for o in node.outputs)
 
 
 def _integer_like(value: ir.Value) -> bool:
