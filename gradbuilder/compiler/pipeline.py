@@ -37,6 +37,7 @@ from .passes.expand_functions import expand_functions
 from .passes.finite_inputs import mark_finite_softmax_inputs
 from .passes.expose_masks import expose_dropout_masks, expose_pool_indices
 from .passes.mixed_precision import autocast
+from .passes.padded_sums import padded_sums_as_concat
 from .passes.recompute import apply_recompute
 from .passes.running_stats import expose_running_statistics, restore_training_mode
 from .passes.store_trips import store_loop_trips
@@ -106,6 +107,7 @@ PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
 
 # After the backward nodes and the graph's outputs are in place.
 FINISH: tuple[Callable[[ir.Model, Context], object], ...] = (
+    padded_sums_as_concat,
     apply_recompute,
     remove_unused_nodes,
 )
