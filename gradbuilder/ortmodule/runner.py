@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..runtime import providers as _providers
+from ..runtime.graphs import STOP_SPINNING
 from ..runtime.runner import compile_graph
 from ..compiler.split import SplitGraphs, build_split
 from .export import Exported
@@ -64,8 +65,9 @@ class Compiled:
         except Exception:  # not set by the user
             # The forward and backward sessions and PyTorch take turns on the same cores: a
             # pool still spinning after its run slows the next one down (the benchmark
-            # transformer's forward + backward took 1.5x as long).
-            so.add_session_config_entry(_SPINNING, "0")
+            # transformer's forward + backward took 1.5x as long). The pools spin within a
+            # run and stop at its end.
+            so.add_session_config_entry(STOP_SPINNING, "1")
         self.split: SplitGraphs | None = None
         outputs = list(dict.fromkeys(n for n, d in zip(exported.outputs, exported.differentiable) if d))
         if wrt and outputs:
