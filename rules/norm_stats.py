@@ -77,11 +77,17 @@ class Moments:
       backward subtracts the projection first: ``(g - xhat mean(g xhat)) - mean(g)``.
     """
 
-    def __init__(self, e, x, axes, eps, centered: bool = True, form: str = "sum"):
+    def __init__(self, e, x, axes, eps, centered: bool = True, form: str = "sum", saved=None):
+        """``saved``: (mu, r) as the forward node computed them (its Mean and InvStdDev
+        outputs), taken instead of computing them again."""
         if form not in ("sum", "mean"):
             raise ValueError(f"unknown form {form!r}")
         self.e, self.x, self.axes, self.centered, self.form = e, x, axes, centered, form
         self._count = None
+        if saved is not None:
+            self.mu, self.r = (cast_to(e, v, x.dtype) for v in saved)
+            self.xhat = e.Mul(e.Sub(x, self.mu) if centered else x, self.r)
+            return
         self.mu = self.mean(x) if centered else None
         d = e.Sub(x, self.mu) if centered else x
         self.r = e.Reciprocal(e.Sqrt(e.Add(self.mean(e.Mul(d, d)), e.scalar(eps, x))))

@@ -151,14 +151,17 @@ def batch_norm(n, dys, needs, e):
 @register("LayerNormalization", since=17)
 def layer_norm(n, dys, needs, e):
     """LayerNormalization-17: statistics over axes [axis, rank); Y = xhat*Scale + B,
-    Mean = mu, InvStdDev = r (computed in stash_type).
+    Mean = mu, InvStdDev = r (computed in stash_type; the backward reads them from the node,
+    whose outputs ``passes.expose_masks`` adds where a weight reaches it).
     dX = r*(g - mean(g) - xhat*mean(g*xhat)) + (dMean - dInvStdDev*r^2*xhat)/M with g = dY*Scale;
     dScale = unbroadcast(dY*xhat), dB = unbroadcast(dY)."""
     x, scale = n.inputs[:2]
     b = n.inputs[2] if len(n.inputs) > 2 else None
     dy, dmu, dr = (list(dys) + [None, None])[:3]
     xc = cast_to(e, x, compute_type(x, attr(n, "stash_type", 1)))
-    s = Moments(e, xc, trailing_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5))
+    outs = list(n.outputs)
+    saved = (outs[1], outs[2]) if len(outs) == 3 and all(o is not None and o.name for o in outs[1:]) else None
+    s = Moments(e, xc, trailing_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5), saved=saved)
     dx = dscale = db = None
     if dy is not None:
         xhat = e.CastLike(s.xhat, x)

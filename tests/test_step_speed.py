@@ -209,3 +209,28 @@ def test_slices_that_tile_an_axis_get_their_gradients_concatenated():
     ops = [n.op_type for n in built.graph.node]
     assert "Concat" in ops and "Pad" not in ops and "Sum" not in ops
     check_model(model, ["W"])
+
+
+def test_layer_norm_backward_reads_the_forward_statistics():
+    """A float32 LayerNormalization on a weight's path returns its Mean and InvStdDev, and its
+    gradients read them (no second pass over the input for them); float64 finite differences
+    and the float32 graph on onnxruntime agree (check_model)."""
+    from gradbuilder.testing import check_model
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "g", "b"], ["y"], axis=-1),
+             helper.make_node("Mul", ["y", "c"], ["z"]), helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(rng.standard_normal((5, 6)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "g"),
+             numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal((4, 6)).astype(np.float32), "c")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    built = onnx.load_from_string(GradientGraphBuilder(model, ["W", "g", "b"], ["loss"], "loss").build().get_model())
+    (ln,) = [n for n in built.graph.node if n.op_type == "LayerNormalization"]
+    assert len([o for o in ln.output if o]) == 3
+    readers = {i for n in built.graph.node for i in n.input}
+    assert ln.output[1] in readers and ln.output[2] in readers
+    check_model(model, ["W", "g", "b"], {"x": rng.standard_normal((4, 5)).astype(np.float32)})

@@ -35,7 +35,7 @@ from .passes.canonicalize import (
 from .passes.cleanup import remove_unused_nodes
 from .passes.expand_functions import expand_functions
 from .passes.finite_inputs import mark_finite_softmax_inputs
-from .passes.expose_masks import expose_dropout_masks, expose_pool_indices
+from .passes.expose_masks import expose_dropout_masks, expose_norm_statistics, expose_pool_indices
 from .passes.mixed_precision import autocast
 from .passes.padded_sums import padded_sums_as_concat
 from .passes.recompute import apply_recompute
@@ -98,6 +98,7 @@ PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
     restore_training_mode,
     expose_dropout_masks,
     expose_pool_indices,
+    expose_norm_statistics,
     expose_running_statistics,
     vector_products_without_transpose,
     store_loop_trips,

@@ -53,3 +53,36 @@ def expose_pool_indices(model: ir.Model, ctx) -> None:
             indices.name = ctx.unique(f"{node.outputs[0].name}_indices")
             indices.dtype = ir.DataType.INT64
             indices.shape = node.outputs[0].shape
+
+
+def expose_norm_statistics(model: ir.Model, ctx) -> None:
+    """LayerNormalization nodes (opset 17 on) that a weight reaches also return their Mean and
+    InvStdDev, which onnxruntime computes anyway: the backward reads them instead of computing
+    the statistics of the input again."""
+    from ..autodiff import is_float, node_inputs
+
+    if ctx.opset < 17:
+        return
+    reached = set(ctx.wrt)
+    for node in model.graph:
+        if not any(v in reached for v in node_inputs(node) if v is not None):
+            continue
+        reached.update(o for o in node.outputs if is_float(o))
+        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        if len(node.outputs) == 3 and all(o.name for o in node.outputs[1:]):
+            continue
+        x = node.inputs[0]
+        stash = ir.DataType(attr(node, "stash_type", 1))
+        if x.dtype is None or x.dtype.itemsize > stash.itemsize:
+            continue  # statistics narrower than x (double x, float stash): the rule computes them in x's type
+        dims = x.shape
+        axis = attr(node, "axis", -1)
+        node.resize_outputs(3)
+        for out, suffix in ((node.outputs[1], "mean"), (node.outputs[2], "inv_std_dev")):
+            if not out.name:
+                out.name = ctx.unique(f"{node.outputs[0].name}_{suffix}")
+            out.dtype = stash
+            if dims is not None:
+                a = axis % len(dims)
+                out.shape = ir.Shape(list(dims[:a]) + [1] * (len(dims) - a))
