@@ -234,3 +234,40 @@ def test_layer_norm_backward_reads_the_forward_statistics():
     readers = {i for n in built.graph.node for i in n.input}
     assert ln.output[1] in readers and ln.output[2] in readers
     check_model(model, ["W", "g", "b"], {"x": rng.standard_normal((4, 5)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_small_weights_updated_as_one_flat_tensor_are_bit_identical(name, monkeypatch):
+    """W [3, 4] and B [4] are small: one flat update for both (optimizer.FLAT_ELEMENTS). The
+    same arithmetic element by element as one update per weight (FLAT_ELEMENTS = 0)."""
+    from gradbuilder.training.stages import optimizer
+
+    rng = np.random.default_rng(1)
+    weights = {"W": rng.standard_normal((3, 4)).astype(np.float32), "B": rng.standard_normal(4).astype(np.float32)}
+    feeds = {**weights, **{f"{w}_grad": rng.standard_normal(v.shape).astype(np.float32) for w, v in weights.items()},
+             "Learning_Rate": np.array(0.01, np.float32), "Step": np.array(3, np.int64), "apply": np.array(True)}
+    for w, v in weights.items():
+        for s, value in initial_state(name, resolve(name, {}), v).items():
+            feeds[f"{w}.{s}"] = value + rng.random(v.shape).astype(np.float32)
+    flat_model = _update_model(name, True)
+    monkeypatch.setattr(optimizer, "FLAT_ELEMENTS", 0)
+    apart_model = _update_model(name, True)
+    concats = [_op_count(m, "Concat") for m in (flat_model, apart_model)]
+    assert concats == ([0, 0] if name == "lamb" else [len(initial_state(name, resolve(name, {}), weights["B"])) + 2, 0])
+    flat, apart = (ort.InferenceSession(m, providers=CPU) for m in (flat_model, apart_model))
+    names = [o.name for o in flat.get_outputs()]
+    for n, a, b in zip(names, flat.run(names, feeds), apart.run(names, feeds)):
+        assert np.array_equal(a, b), n
+
+
+def _op_count(model: bytes, op_type: str) -> int:
+    """Nodes of ``op_type`` in the model, its subgraphs' included."""
+    def count(graph):
+        n = 0
+        for node in graph.node:
+            n += node.op_type == op_type
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    n += count(a.g)
+        return n
+    return count(onnx.load_from_string(model).graph)

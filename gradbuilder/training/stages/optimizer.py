@@ -110,10 +110,34 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
 
     def update(u):
         """The new weights, then the new states, then the step count, emitted by ``u``."""
+        done = {}  # weight index -> (new weight, {state: new value})
+        for members in _flat_groups(name, olds, owns):
+            (w0, _), own = olds[members[0]], owns[members[0]]
+            if len(members) == 1:
+                w, states = olds[members[0]]
+                done[members[0]] = OPTIMIZERS[name].step(
+                    u, w, grads[w.name], u.CastLike(lr, w), u.CastLike(t, w),
+                    {s: u.CastLike(v, w) for s, v in states.items()}, own)
+                continue
+            # small weights of one dtype and the same options, updated as one flat tensor:
+            # the same element-wise arithmetic in 13 ops instead of 13 per weight
+            sizes = [int(np.prod([int(d) for d in olds[k][0].shape], dtype=np.int64)) for k in members]
+
+            def flat(values):
+                return u.Concat(*[u.Reshape(v, u.ints([-1])) for v in values], axis=0)
+
+            new, new_values = OPTIMIZERS[name].step(
+                u, flat([olds[k][0] for k in members]), flat([grads[olds[k][0].name] for k in members]),
+                u.CastLike(lr, w0), u.CastLike(t, w0),
+                {s: flat([u.CastLike(olds[k][1][s], w0) for k in members]) for s in olds[members[0]][1]}, own)
+            parts = {key: u.split(v, len(members), 0, u.ints(sizes)) for key, v in [("w", new), *new_values.items()]}
+            for j, k in enumerate(members):
+                shape = u.ints([int(d) for d in olds[k][0].shape])
+                done[k] = (u.Reshape(parts["w"][j], shape),
+                           {s: u.Reshape(parts[s][j], shape) for s in new_values})
         new_weights, new_states = [], []
-        for (w, states), own in zip(olds, owns):
-            new, new_values = OPTIMIZERS[name].step(u, w, grads[w.name], u.CastLike(lr, w), u.CastLike(t, w),
-                                                    {s: u.CastLike(v, w) for s, v in states.items()}, own)
+        for k, (w, states) in enumerate(olds):
+            new, new_values = done[k]
             new_weights.append(new)
             new_states += [u.CastLike(new_values[s], states[s]) for s in states]
         return new_weights + new_states + [t]
@@ -127,6 +151,32 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
     outputs = [named_output(e, new, updated(like.name), like) for new, like in zip(news, likes)]
     # inputs: lr, step, then every state; outputs: the weights, the states, the step
     return Appended({}, inputs, outputs)
+
+
+# Weights of at most this many elements are updated together (a transformer's biases and
+# LayerNorm gains: dozens of tensors whose per-op cost outweighs their arithmetic).
+FLAT_ELEMENTS = 65536
+
+
+def _flat_groups(name: str, olds, owns) -> list[list[int]]:
+    """The weights' indices in update groups: the small ones (static shape, at most
+    FLAT_ELEMENTS elements) with one dtype, the same options and states stored in that dtype
+    together (not for LAMB, whose trust ratio is per weight), each other weight alone."""
+    import numpy as np
+
+    groups: dict[tuple, list[int]] = {}
+    alone = []
+    for k, ((w, states), own) in enumerate(zip(olds, owns)):
+        dims = list(w.shape) if w.shape is not None else None
+        small = (name != "lamb" and dims is not None and all(isinstance(d, int) for d in dims)
+                 and int(np.prod(dims, dtype=np.int64)) <= FLAT_ELEMENTS
+                 and all(v.dtype == w.dtype for v in states.values()))
+        if small:
+            key = (w.dtype, repr(sorted(own.items())))
+            groups.setdefault(key, []).append(k)
+        else:
+            alone.append([k])
+    return alone + list(groups.values())
 
 
 def _scalar(e, value: float, like: ir.Value) -> ir.Value:
