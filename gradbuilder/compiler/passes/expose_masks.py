@@ -37,15 +37,9 @@ def expose_pool_indices(model: ir.Model, ctx) -> None:
     MaxPool rule scatters at them): one MaxPool with indices in the forward instead of a
     MaxPool without them there and another with them in the backward (the CNN benchmark's
     step: 2 of its 4 MaxPools, 22% of its kernel time)."""
-    from ..autodiff import is_float, node_inputs
-
     if ctx.opset < 16:
         return
-    reached = set(ctx.wrt)
-    for node in model.graph:
-        if not any(v in reached for v in node_inputs(node) if v is not None):
-            continue
-        reached.update(o for o in node.outputs if is_float(o))
+    for node in _reached_by_weights(model, ctx):
         if (node.op_type == "MaxPool" and node.domain in ("", "ai.onnx") and len(node.outputs) == 1
                 and attr(node, "storage_order", 0) == 0):
             node.resize_outputs(2)
@@ -59,15 +53,9 @@ def expose_norm_statistics(model: ir.Model, ctx) -> None:
     """LayerNormalization nodes (opset 17 on) that a weight reaches also return their Mean and
     InvStdDev, which onnxruntime computes anyway: the backward reads them instead of computing
     the statistics of the input again."""
-    from ..autodiff import is_float, node_inputs
-
     if ctx.opset < 17:
         return
-    reached = set(ctx.wrt)
-    for node in model.graph:
-        if not any(v in reached for v in node_inputs(node) if v is not None):
-            continue
-        reached.update(o for o in node.outputs if is_float(o))
+    for node in _reached_by_weights(model, ctx):
         if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx"):
             continue
         if len(node.outputs) == 3 and all(o.name for o in node.outputs[1:]):
@@ -86,3 +74,14 @@ def expose_norm_statistics(model: ir.Model, ctx) -> None:
             if dims is not None:
                 a = axis % len(dims)
                 out.shape = ir.Shape(list(dims[:a]) + [1] * (len(dims) - a))
+
+
+def _reached_by_weights(model: ir.Model, ctx):
+    """The nodes of the main graph that a float value from ``ctx.wrt`` reaches, in order."""
+    from ..autodiff import is_float, node_inputs
+
+    reached = set(ctx.wrt)
+    for node in list(model.graph):
+        if any(v in reached for v in node_inputs(node) if v is not None):
+            reached.update(o for o in node.outputs if is_float(o))
+            yield node
