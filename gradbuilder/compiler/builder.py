@@ -104,6 +104,7 @@ class GradientGraphBuilder:
         _drop_inner_types(model.graph)
         out = modelio.DetachedModel(ir.to_proto(model), weights_bytes)
         del model
+        pipeline.release()
         out.check()
         self._result = out
         t3 = time.perf_counter()

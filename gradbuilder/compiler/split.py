@@ -61,6 +61,7 @@ def build_split(model, wrt: Iterable[str], outputs: Iterable[str] | None = None,
 
 def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str], keep_gradient_graph: bool) -> SplitGraphs:
     full, is_forward, boundary = _differentiated(model, wrt, outputs, stop_gradients)
+    pipeline.release()
     seed_names, gradients, forward_inputs_read, out_infos, saved_infos, grad_infos, output_names, saved_names = boundary
     fw_nodes = [n for n, f in zip(full.graph.node, is_forward) if f]
     bw_nodes = [n for n, f in zip(full.graph.node, is_forward) if not f]
