@@ -122,10 +122,7 @@ def fit_ir_version(proto: onnx.ModelProto, strict: bool = False, quiet: bool = F
     message = (f"the model uses {what}, which needs ONNX IR version {needed}; onnxruntime {ort.__version__} "
                f"reads IR versions up to {max_ir}, so it cannot load the result. Convert those values to a type "
                f"it has, or use an onnxruntime that reads IR version {needed}")
-    if strict:
-        raise ModelLoadError(message)
-    if not quiet:
-        warn(message)
+    _refuse_or_warn(message, strict, quiet)
 
 
 def check_opset(proto: onnx.ModelProto, strict: bool = False, quiet: bool = False) -> None:
@@ -137,6 +134,11 @@ def check_opset(proto: onnx.ModelProto, strict: bool = False, quiet: bool = Fals
     message = (f"the model uses ai.onnx opset {opset}; onnxruntime {ort.__version__} runs ai.onnx opsets up to "
                f"{max_opset}, so it cannot load the result. Convert the model first: "
                f"onnx.version_converter.convert_version(model, {max_opset}), or export it at opset {max_opset}")
+    _refuse_or_warn(message, strict, quiet)
+
+
+def _refuse_or_warn(message: str, strict: bool, quiet: bool) -> None:
+    """Raise ModelLoadError with ``strict``; else warn unless ``quiet``."""
     if strict:
         raise ModelLoadError(message)
     if not quiet:

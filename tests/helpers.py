@@ -32,3 +32,10 @@ def linear_model(opset=17):
     inits = [tensor("W", rng.standard_normal((3, 4)).astype(np.float32)),
              tensor("B", rng.standard_normal((4,)).astype(np.float32))]
     return make_model(nodes, [vi("x", ["batch", 1, 4])], [vi("loss", [])], inits, opset=opset)
+
+
+def tree(root) -> list[str]:
+    """Every path under ``root``, hidden files included (what a write left behind)."""
+    import os
+
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, names in os.walk(root) for n in dirs + names)

@@ -21,7 +21,7 @@ from gradbuilder.compiler import modelio
 from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.errors import OutputError
 
-from .helpers import linear_model, make_model, tensor, vi
+from .helpers import linear_model, make_model, tensor, tree, vi
 from .test_session import session
 
 
@@ -46,9 +46,6 @@ def built():
 def trained():
     return session()
 
-
-def tree(root):
-    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, names in os.walk(root) for n in dirs + names)
 
 
 def contents(root):

@@ -16,7 +16,7 @@ from gradbuilder.runtime import checkpoint
 from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.errors import CheckpointError, GradBuilderError, ModelLoadError, OutputError
 
-from .helpers import linear_model
+from .helpers import linear_model, tree
 from .test_session import session
 
 WHAT_A_CHECKPOINT_IS = "a checkpoint is a file written by TrainingSession.save_checkpoint or `gradbuilder train --checkpoint`"
@@ -31,10 +31,6 @@ def built():
 def trained():
     return session()
 
-
-def tree(root):
-    """Every path under ``root``, hidden files included."""
-    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, names in os.walk(root) for n in dirs + names)
 
 
 def _no_work(*args, **kwargs):

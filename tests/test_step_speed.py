@@ -11,7 +11,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.compiler.passes import named_output
 from gradbuilder.compiler.registry import Emitter
 from gradbuilder.runtime.runner import SLOWER_FUSIONS, compile_graph
 from gradbuilder.training.stages.optimizer import OPTIMIZERS, add_optimizer, initial_state, resolve

@@ -42,9 +42,9 @@ from ..errors import InvalidArgumentError
 from .stages.accumulate import COUNTER, accumulate
 from .stages.clip import clip_by_global_norm
 from ..compiler.passes import guarded, named_output, new_input
-from .stages.loss_scale import ALL_FINITE, LossScaling, all_finite, next_scale, scale_loss, unscale
+from .stages.loss_scale import LossScaling, all_finite, next_scale, scale_loss, unscale
 from .stages.optimizer import add_optimizer, initial_state, resolve, state_names
-from ..interface import LEARNING_RATE, STEP, grad_accum, state_of, updated
+from ..interface import ALL_FINITE, LEARNING_RATE, STEP, grad_accum, state_of, updated
 
 
 class TrainingGraphBuilder(GradientGraphBuilder):

@@ -22,7 +22,7 @@ from . import copy_type
 
 
 def split_to_sequence_as_split(model: ir.Model, ctx) -> None:
-    graph, opset, unique = model.graph, ctx.opset, ctx.unique
+    graph, unique = model.graph, ctx.unique
     for node in list(graph):
         if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx"):
             continue

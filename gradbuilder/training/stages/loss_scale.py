@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ...compiler.passes import named_output, new_input
-from ...interface import ALL_FINITE, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS, updated
+from ...interface import LOSS_SCALE, LOSS_SCALE_GOOD_STEPS, updated
 
 SCALE = LOSS_SCALE
 GOOD_STEPS = LOSS_SCALE_GOOD_STEPS

@@ -179,7 +179,7 @@ def _flat_groups(name: str, olds, owns) -> list[list[int]]:
     return alone + list(groups.values())
 
 
-def _scalar(e, value: float, like: ir.Value) -> ir.Value:
+def _scalar(e, value: float, like):
     return e.scalar(float(value), like)
 
 
