@@ -226,19 +226,9 @@ def _initial_states(e, carried, outer):
 def _if_any_trip(e, trips: ir.Value, ran, skipped, likes: list[ir.Value]) -> list[ir.Value]:
     """If(len(trips) > 0, ran(emitter), skipped(emitter)): onnxruntime's Scan refuses empty
     scan inputs, and a Loop may run no iteration at all."""
-    branches = []
-    for build in (ran, skipped):
-        g = ir.Graph([], [], nodes=[], name=e.unique("loop_grad_branch"))
-        sub = e.child(g)
-        _as_outputs(g, build(sub), likes, sub)
-        branches.append(g)
     count = e.squeeze(e.shape(trips, 0, 1), [0])
     ran_any = e.Greater(count, e.const(np.array(0, dtype=np.int64)))
-    outs = e.op("If", ran_any, outputs=len(likes), then_branch=branches[0], else_branch=branches[1])
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
-    for o, like in zip(outs, likes):
-        e.typed(o, like.dtype, None)
-    return outs
+    return e.if_(ran_any, ran, skipped, likes, name="loop_grad_branch")
 
 
 def _trips(n) -> list[int]:

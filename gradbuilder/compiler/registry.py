@@ -475,7 +475,9 @@ class Emitter:
             for value, like in zip(build(sub), likes):
                 if value.producer() is None or value.producer().graph is not g or value in outputs:
                     value = sub.Identity(value)  # a subgraph output is produced inside the subgraph
-                value.dtype, value.shape = like.dtype, like.shape
+                value.dtype = like.dtype
+                if like.shape is not None:
+                    value.shape = like.shape
                 outputs.append(value)
             g.outputs.extend(outputs)
             branches.append(g)
