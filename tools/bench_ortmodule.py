@@ -103,27 +103,9 @@ class Trainer:
         return float(value)
 
 
-def float64_losses(module: torch.nn.Module, batches) -> list[float]:
-    """The loss curve of ``module`` in float64 with AdamW over ``batches`` (the reference both
-    float32 curves are compared with; bench_train.LOSS_SLACK). Not timed."""
-    model = copy.deepcopy(module).double().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=bt.LR)
-    out = []
-    for tokens, labels in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(tokens), labels)
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
-
-
-def loss_rel_diff(reference: list[float], other: list[float]) -> tuple[float, int]:
-    """Max relative difference of two loss curves (floor: 1e-3 x the first loss) and its step."""
-    a, b = np.array(reference), np.array(other)
-    floor = bt.LOSS_FLOOR * abs(reference[0])
-    rel = np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), floor)
-    return float(rel.max()), int(rel.argmax())
+def loss_rel_diff(reference: list[float], other: list[float]) -> tuple[float, int, float]:
+    """bench_train.loss_rel_diff over every step, the floor 1e-3 x the reference's first loss."""
+    return bt.loss_rel_diff(reference, other, bt.LOSS_FLOOR * abs(reference[0]))
 
 
 def parse_args(argv=None):
@@ -163,11 +145,12 @@ def main(argv=None) -> dict:
                              batches, args.device),
     }
     times, losses, _ = bt.run_interleaved(contenders, args)
-    reference = float64_losses(module, batches) if args.device == "cpu" else None
+    reference = (bt.float64_losses(module, batches, lambda model, b: F.cross_entropy(model(b[0]), b[1]))
+                 if args.device == "cpu" else None)
     del module
 
     pt_ms, ort_ms = bt.median_ms(times["pytorch"], args.warmup), bt.median_ms(times["ortmodule"], args.warmup)
-    rel, rel_step = loss_rel_diff(losses["pytorch"], losses["ortmodule"])
+    rel, rel_step = loss_rel_diff(losses["pytorch"], losses["ortmodule"])[:2]
     first_call_s = contenders["ortmodule"].first_call_s
     pt_first_s = contenders["pytorch"].first_call_s
     print(f"ORTModule first call: {first_call_s:.2f} s (export, gradient graph, sessions, first forward); "

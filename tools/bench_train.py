@@ -266,22 +266,29 @@ def nvidia_smi_mib(pid: int) -> float | None:
 # ---------------------------------------------------------------------------- contenders
 # Each contender is an object whose step() runs one step and returns the loss (a tensor or
 # OrtValue, read after the timing) and whose loss() turns that into a float.
-def float64_losses(module: nn.Module, batch: dict[str, np.ndarray], steps: int) -> list[float]:
-    """The loss curve of ``steps`` AdamW steps of ``module`` in float64 (same weights and
-    batch), the reference both float32 curves are compared with. Not timed."""
+def float64_losses(module: nn.Module, batches, loss_of) -> list[float]:
+    """The loss curve of AdamW steps of ``module`` in float64 (same weights), one per batch,
+    ``loss_of(model, batch)`` the loss: the reference both float32 curves are compared with
+    (LOSS_SLACK). Not timed."""
     model = copy.deepcopy(module).double().train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    x = torch.from_numpy(batch["x"])
-    x = x.double() if x.is_floating_point() else x
-    y = torch.from_numpy(batch["y"])
     out = []
-    for _ in range(steps):
+    for batch in batches:
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        loss = loss_of(model, batch)
         loss.backward()
         opt.step()
         out.append(float(loss.detach()))
     return out
+
+
+def loss_rel_diff(a, b, floor: float, start: int = 0) -> tuple[float, int, float]:
+    """(max relative difference, its step, max absolute difference) of two loss curves from
+    step ``start`` on; relative to the larger loss, or ``floor`` where both are below it (a
+    memorized batch drives the loss to float32 noise)."""
+    x, y = np.array(a[start:]), np.array(b[start:])
+    rel = np.abs(x - y) / np.maximum(np.maximum(np.abs(x), np.abs(y)), floor)
+    return float(rel.max()), start + int(rel.argmax()), float(np.abs(x - y).max())
 
 
 class TorchTrainer:
@@ -568,13 +575,15 @@ def bench_model(name: str, args) -> dict:
         res["cpu_ratio_vs_pytorch"] = res["trainingsession_cpu_ms"] / res["pytorch_cpu_ms"]
     res["ratio_vs_pytorch"] = res["trainingsession_ms"] / res["pytorch_ms"]
     res["ratio_vs_forward"] = res["trainingsession_ms"] / res["ort_forward_ms"]
-    reference = float64_losses(module, batch, len(pt_losses)) if args.device == "cpu" else None
-    floor = LOSS_FLOOR * abs(pt_losses[0])  # a memorized batch drives the loss to float32 noise
+    reference = None
+    if args.device == "cpu":
+        x = torch.from_numpy(batch["x"])
+        x64 = (x.double() if x.is_floating_point() else x, torch.from_numpy(batch["y"]))
+        reference = float64_losses(module, [x64] * len(pt_losses), lambda model, b: model(*b))
+    floor = LOSS_FLOOR * abs(pt_losses[0])
 
     def max_rel(x, y):
-        x, y = np.array(x[args.warmup:]), np.array(y[args.warmup:])
-        rel = np.abs(x - y) / np.maximum(np.maximum(np.abs(x), np.abs(y)), floor)
-        return float(rel.max()), args.warmup + int(rel.argmax()), float(np.abs(x - y).max())
+        return loss_rel_diff(x, y, floor, args.warmup)
 
     res["loss_max_rel_diff"], res["loss_max_rel_diff_step"], res["loss_max_abs_diff"] = max_rel(pt_losses, ts_losses)
     print(f"  pytorch {res['pytorch_ms']:.2f} ms | trainingsession {res['trainingsession_ms']:.2f} ms "
