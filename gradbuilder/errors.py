@@ -44,3 +44,8 @@ class ProviderError(GradBuilderError):
 class NonFiniteError(GradBuilderError, FloatingPointError):
     """A training step's loss or gradients hold an inf or NaN, and the session was asked to
     raise (``TrainingParameters.on_nonfinite_step = "raise"``); the step changed nothing."""
+
+
+class DistributedError(GradBuilderError):
+    """Distributed training could not start, or a collective failed: another process died,
+    raised, or did not answer within the timeout (the message names the rank)."""

@@ -197,11 +197,12 @@ def test_weight_both_trained_and_not():
 # --- not supported yet ------------------------------------------------------------------------
 
 NON_DEFAULT = {
-    "data_parallel_size": 2, "horizontal_parallel_size": 2, "pipeline_parallel_size": 2,
-    "num_pipeline_micro_batches": 4, "pipeline_cut_info_string": "a-b", "world_size": 2,
-    "deepspeed_zero_stage": 1, "enable_adasum": True, "allreduce_post_accumulation": True,
+    "horizontal_parallel_size": 2, "pipeline_parallel_size": 2,
+    "num_pipeline_micro_batches": 4, "pipeline_cut_info_string": "a-b",
     "sliced_axes": {"W": 0}, "sliced_schema": {"W": [2, 1]}, "sliced_tensor_names": ["W"],
 }
+DISTRIBUTED = {"data_parallel_size": 2, "world_size": 2, "world_rank": 1, "deepspeed_zero_stage": 1,
+               "enable_adasum": True, "allreduce_post_accumulation": True}
 
 
 def test_not_supported_cases_cover_the_table():
@@ -212,13 +213,23 @@ def test_not_supported_cases_cover_the_table():
 def test_not_supported_yet(name):
     reason = NOT_SUPPORTED_YET[name]
     default = OPTIONS[name][1]
-    bad(rf"TrainingParameters\.{name}: .* is not supported yet: {reason}; leave it at its default "
+    bad(rf"TrainingParameters\.{name}: .* is not supported yet: {re.escape(reason)}; leave it at its default "
         + re.escape(repr(default)), **{name: NON_DEFAULT[name]})
     assert TrainingParameters(**{name: default}).to_dict()[name] == ORT_1_19_DEFAULTS[name]
 
 
-def test_not_supported_reasons_name_the_pass():
-    assert "distributed pass" in NOT_SUPPORTED_YET["world_size"]
+def test_not_supported_reasons_say_what_is_supported_instead():
+    assert "torchrun" in NOT_SUPPORTED_YET["horizontal_parallel_size"]
+    assert "pipeline pass" in NOT_SUPPORTED_YET["pipeline_parallel_size"]
+
+
+def test_distributed_options_are_accepted():
+    """They are checked against the launched group by the TrainingSession (test_distributed)."""
+    p = TrainingParameters(world_size=2)
+    for k, v in DISTRIBUTED.items():
+        setattr(p, k, v)
+    assert {k: getattr(p, k) for k in DISTRIBUTED} == DISTRIBUTED
+    assert TrainingParameters.from_dict(p.to_dict()).to_dict() == p.to_dict()
 
 
 MIXED_AND_RECOMPUTE = {
@@ -358,8 +369,8 @@ def test_from_dict_and_json_errors():
         TrainingParameters.from_json("{not json")
     with pytest.raises(InvalidArgumentError, match=r"from_dict: expected a dict, got list"):
         TrainingParameters.from_json("[1]")
-    with pytest.raises(InvalidArgumentError, match=r"world_size: 2 is not supported yet"):
-        TrainingParameters.from_json('{"world_size": 2}')
+    with pytest.raises(InvalidArgumentError, match=r"sliced_tensor_names: \['W'\] is not supported yet"):
+        TrainingParameters.from_json('{"sliced_tensor_names": ["W"]}')
     with pytest.raises(InvalidArgumentError, match=r"weights_not_to_train: \['W'\] also in weights_to_train"):
         TrainingParameters.from_dict({"weights_to_train": ["W"], "weights_not_to_train": ["W"]})
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import collections
 
 import onnxruntime as ort
-import onnxruntime.capi._pybind_state as _C
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..runtime import providers as _providers
+from ..runtime.dlpack import to_ort, to_torch
 from ..runtime.graphs import STOP_SPINNING
 from ..runtime.runner import compile_graph
 from ..compiler.split import SplitGraphs, build_split
@@ -20,20 +20,6 @@ from .options import DebugOptions, logger
 
 
 _SPINNING = "session.intra_op.allow_spinning"
-
-
-def to_ort(t: torch.Tensor) -> ort.OrtValue:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bool:  # onnxruntime reads DLPack booleans as bytes flagged boolean
-        return ort.OrtValue(_C.OrtValue.from_dlpack(t.view(torch.uint8).__dlpack__(), True))
-    return ort.OrtValue.from_dlpack(t)
-
-
-def to_torch(v: ort.OrtValue) -> torch.Tensor:
-    out = torch.utils.dlpack.from_dlpack(v._ortvalue.to_dlpack())
-    if v.data_type() == "tensor(bool)" and out.dtype != torch.bool:
-        out = out.view(torch.bool)
-    return out
 
 
 def _providers_for(device: torch.device):

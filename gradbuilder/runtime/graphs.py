@@ -46,6 +46,7 @@ class GraphCache:
         self.compiled: dict[str, Graph] = {}  # kind -> its compiled graph
         self.weight_specs: Mapping[str, np.ndarray] = {}  # weight -> an array of its dtype and shape
         self._in_place: dict[str, frozenset[str]] = {}  # kind -> its state updated in place
+        self.owned: list[str] | None = None  # the weights this process updates (ZeRO), None: all
 
     def __getitem__(self, kind: str) -> Graph:
         if kind not in self.compiled:
@@ -80,8 +81,10 @@ class GraphCache:
         elif kind in ("gradients", "accumulate"):
             proto = StepGradientsBuilder(b, self.outputs, accumulate=kind == "accumulate").build().model_proto
         elif kind == "optimizer":
-            proto = optimizer_only_model(self.weight_specs, b.optimizer, b.optimizer_options, b.max_grad_norm,
-                                         per_weight=b.per_weight_options)
+            specs = self.weight_specs if self.owned is None else {w: self.weight_specs[w] for w in self.owned}
+            per_weight = {w: o for w, o in b.per_weight_options.items() if w in specs}
+            proto = optimizer_only_model(specs, b.optimizer, b.optimizer_options, b.max_grad_norm,
+                                         per_weight=per_weight, partial=self.owned is not None)
         elif kind == "eval":
             proto = eval_model(self.model)
         else:

@@ -564,10 +564,24 @@ def unregister_provider_lib(name: str) -> None:
 # ---------------------------------------------------------------- build facts
 
 
+def collective_backends() -> list[str]:
+    """The torch.distributed backends usable here ("gloo", "nccl"): distributed training
+    runs on them (``gradbuilder.runtime.distributed``). Empty without torch."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return []
+    if not dist.is_available():
+        return []
+    return [name for name, usable in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()))
+            if usable]
+
+
 def has_collective_ops() -> bool:
-    """Whether this onnxruntime build has collective (multi-device communication) ops."""
-    fn = getattr(ort, "has_collective_ops", None)
-    return bool(fn()) if fn is not None else False
+    """Whether distributed training can run: torch.distributed with a usable backend is
+    importable (the graphs themselves hold no collective op: the gradients are reduced
+    between the graph runs)."""
+    return bool(collective_backends())
 
 
 def _gradbuilder_version() -> str:
@@ -590,7 +604,10 @@ def get_version_string() -> str:
 def get_build_info() -> str:
     """gradbuilder's version, the onnxruntime it runs on and onnxruntime's own build
     information (``onnxruntime.get_build_info()``: git commit, build type), e.g.
-    ``"gradbuilder 0.1.0 on onnxruntime 1.31.1; ORT Build Info: git-branch=..."``."""
+    ``"gradbuilder 0.1.0 on onnxruntime 1.31.1; collectives: torch.distributed (gloo); ORT
+    Build Info: git-branch=..."``."""
     fn = getattr(ort, "get_build_info", None)
     info = fn() if fn is not None else "build info not available"
-    return f"gradbuilder {get_version_string()} on onnxruntime {_ort_version()}; {info}"
+    backends = collective_backends()
+    collectives = f"torch.distributed ({', '.join(backends)})" if backends else "none (install torch)"
+    return f"gradbuilder {get_version_string()} on onnxruntime {_ort_version()}; collectives: {collectives}; {info}"

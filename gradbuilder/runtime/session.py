@@ -41,7 +41,7 @@ from ..errors import CheckpointError, InvalidArgumentError, NonFiniteError, Prov
 from ..interface import (ACCUMULATION_STEP, ALL_FINITE, GRAD_ACCUM, GRADIENT, LEARNING_RATE, LOSS_SCALE,
                          LOSS_SCALE_GOOD_STEPS, STEP, grad_accum, state_of, updated)
 from ..training.graph import from_parameters, weights_of
-from . import checkpoint, providers as _providers, schedulers
+from . import checkpoint, distributed, providers as _providers, schedulers
 from .graphs import GraphCache
 from .runner import StepBinding
 from .state import StateStore, fingerprint
@@ -109,6 +109,11 @@ class TrainingSession:
         # the caller's values saved with each checkpoint (as onnxruntime's CheckpointState.properties)
         self.properties: dict[str, int | float | str] = {}
         self._on_nonfinite = self._params.on_nonfinite_step
+        self._dist = None  # distributed.DataParallel when launched as one of several processes
+        topo = distributed.topology(self._params)
+        if topo is not None:
+            distributed.init_process_group(device)
+            self._dist = distributed.DataParallel(self, topo, self._params)
 
     # ------------------------------------------------------------------ graphs and values
     def _check_precision(self, device) -> None:
@@ -258,9 +263,12 @@ class TrainingSession:
         feeds, lr = self._lr_feed(input_feed)
         names = self._check_outputs(output_names)
         rate = self._lr_ortvalue() if lr is None or lr == self._lr else self._state.ortvalue(np.array(lr, np.float32))
-        results = self._run("step", feeds, dict(self._state.values), {self._builder.lr_name: rate}, run_options)
-        self._check_finite(results)
-        self._state.commit(results)
+        if self._dist is not None:
+            results = self._dist.run(feeds, rate)
+        else:
+            results = self._run("step", feeds, dict(self._state.values), {self._builder.lr_name: rate}, run_options)
+            self._check_finite(results)
+            self._state.commit(results)
         if lr is not None:
             self.set_learning_rate(lr)
         return [results[n] for n in names]
@@ -333,6 +341,10 @@ class TrainingSession:
         gradient buffers (or replace them after ``lazy_reset_grad``)."""
         if not self._training:
             raise InvalidArgumentError("train_step in eval mode; call train() first")
+        if self._dist is not None:
+            results = self._dist.train_step(self._positional(inputs), self._reset_grads)
+            self._reset_grads = False
+            return _user_result([_numpy(results[n]) for n in self._output_names()])
         kind = "gradients" if self._reset_grads else "accumulate"
         state = self._state.take(self.buffers)
         if kind == "accumulate":
@@ -356,6 +368,9 @@ class TrainingSession:
         """Update the weights with the accumulated gradients (clipped when the parameters ask)."""
         if not self._state.grads:
             raise InvalidArgumentError("optimizer_step before any train_step: there are no gradients yet")
+        if self._dist is not None:
+            self._dist.optimizer_step(self._lr_ortvalue())
+            return
         state = {n: v for n, v in self._state.values.items() if n not in (ACCUMULATION_STEP, *self.buffers)
                  and not n.endswith(GRAD_ACCUM)}
         per_run = {w + GRADIENT: self._state.grads[w] for w in self.weights}
@@ -457,9 +472,12 @@ class TrainingSession:
 
     def get_optimizer_state(self) -> dict:
         """{weight: {state: array}, "shared_optimizer_state": {"Step": array}} (plus the
-        dynamic loss scale and its counter, ``Loss_Scale`` and ``Loss_Scale_Good_Steps``)."""
+        dynamic loss scale and its counter, ``Loss_Scale`` and ``Loss_Scale_Good_Steps``).
+        Under ZeRO, only the weights this rank owns (``get_partition_info_map``); a checkpoint
+        holds all of them."""
+        held = self.weights if self._dist is None else self._dist.owned
         out = {w: {s: self._state.array(state_of(w, s)) for s in self._builder.state_names_of(w)}
-               for w in self.weights}
+               for w in held}
         out["shared_optimizer_state"] = {n: self._state.array(n) for n in _SHARED if n in self._state}
         return out
 
@@ -501,11 +519,13 @@ class TrainingSession:
     def _state_names(self) -> list[str]:
         names = list(self.weights) + [n for n in _SHARED if n in self._state]
         names += list(self.buffers) + [state_of(w, s) for w in self.weights for s in self._builder.state_names_of(w)]
-        return names
+        return [n for n in names if n in self._state]  # under ZeRO, the state of the weights this rank owns
 
     def _assign(self, values: Mapping[str, np.ndarray]) -> None:
         """Replace state values (and frozen parameters) after checking every name, shape and dtype."""
         frozen = {t.name: t for t in self._model.graph.initializer if t.name in self._frozen}
+        if self._dist is not None:  # under ZeRO, other ranks hold the state of the weights they own
+            values = {n: v for n, v in values.items() if n not in self._dist.elsewhere}
         unknown = [n for n in values if n not in self._state and n not in frozen]
         if unknown:
             raise InvalidArgumentError(f"no weight or optimizer state named {unknown} in this session "
@@ -526,6 +546,10 @@ class TrainingSession:
         path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is copied out
         tensors = {n: self._state.array(n) for n in self._state}
         tensors.update({f"{w}.grad": np.array(v.numpy(), copy=True) for w, v in self._state.grads.items()})
+        if self._dist is not None:  # one ordinary checkpoint, written by the first rank
+            tensors = self._dist.gathered(tensors, f"gathering the state for checkpoint {os.fspath(path)}")
+            if tensors is None:
+                return
         metadata = {
             "model": self._fingerprint,
             "optimizer": json.dumps({"name": self._builder.optimizer, "options": _jsonable(self._builder.optimizer_options),
@@ -557,6 +581,8 @@ class TrainingSession:
                                   + (": " + "; ".join(detail) if detail else ""))
         grads = {n[: -len(".grad")]: v for n, v in tensors.items() if n.endswith(".grad")}
         state = {n: v for n, v in tensors.items() if not n.endswith(".grad")}
+        if self._dist is not None:  # the state this rank holds (ZeRO: its weights' share)
+            grads = {w: v for w, v in grads.items() if w in self._dist.owned}
         scheduler = None
         if metadata.get("scheduler"):
             scheduler = schedulers.from_state_dict(json.loads(metadata["scheduler"]),
@@ -623,8 +649,11 @@ class TrainingSession:
         return self._graphs["step"].session.get_profiling_start_time_ns()
 
     def get_partition_info_map(self) -> dict:
-        """Which slice of each weight this process holds: nothing is partitioned (one process)."""
-        return {}
+        """Which weights' optimizer state this process holds under ZeRO: {weight: {"owner":
+        rank}} for every weight; {} when nothing is partitioned."""
+        if self._dist is None or not self._dist.zero:
+            return {}
+        return {w: {"owner": r} for w, r in self._dist.owner.items()}
 
     def is_output_fp32_node(self, output_name: str) -> bool:
         """Whether ``output_name`` is a float32 output (always its own type: no mixed precision)."""

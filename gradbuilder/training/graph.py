@@ -44,7 +44,7 @@ from .stages.clip import clip_by_global_norm
 from ..compiler.passes import guarded, named_output, new_input
 from .stages.loss_scale import LossScaling, all_finite, next_scale, scale_loss, unscale
 from .stages.optimizer import add_optimizer, initial_state, resolve, state_names
-from ..interface import ALL_FINITE, LEARNING_RATE, STEP, grad_accum, state_of, updated
+from ..interface import ALL_FINITE, GRADIENT_SQUARES, LEARNING_RATE, STEP, grad_accum, state_of, updated
 
 
 class TrainingGraphBuilder(GradientGraphBuilder):
@@ -456,12 +456,14 @@ def _plain_options(name: str, attrs: dict) -> dict:
 
 def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: dict,
                          max_grad_norm: float | None = None, opset: int = 17,
-                         per_weight: Mapping[str, dict] | None = None) -> onnx.ModelProto:
+                         per_weight: Mapping[str, dict] | None = None, partial: bool = False) -> onnx.ModelProto:
     """A graph of the optimizer update alone (clipping first with ``max_grad_norm``): inputs
     ``Learning_Rate``, ``Step``, every weight ``W`` (``weights`` gives dtypes and shapes), its
     gradient ``W_grad`` and its states ``W.<state>``; outputs ``W.updated``,
     ``W.<state>.updated``, ``Step.updated`` and ``All_Finite``: when a gradient holds an inf
-    or NaN, nothing changes."""
+    or NaN, nothing changes. ``partial``: ``weights`` are some of the model's (the others are
+    updated elsewhere), and clipping reads the squared global norm from the float input
+    ``Gradient_Squares``."""
     from ..compiler.registry import Emitter
 
     ws = [ir.Value(name=w, type=ir.TensorType(ir.DataType(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(v.dtype)))),
@@ -469,11 +471,15 @@ def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: 
     grads = [ir.Value(name=f"{w.name}_grad", type=ir.TensorType(w.dtype), shape=w.shape) for w in ws]
     graph = ir.Graph(ws + grads, [], nodes=[], name="optimizer", opset_imports={"": opset})
     e = Emitter(graph, opset)
-    e.reserve(*(v.name for v in ws + grads))
+    e.reserve(*(v.name for v in ws + grads), GRADIENT_SQUARES)
     clipped = {w.name: g for w, g in zip(ws, grads)}
     finite = all_finite(e, clipped)
+    squares = None
+    if max_grad_norm is not None and partial:
+        squares = ir.Value(name=GRADIENT_SQUARES, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+        graph.inputs.append(squares)
     if max_grad_norm is not None:
-        clipped = clip_by_global_norm(e, ws, clipped, max_grad_norm).grads
+        clipped = clip_by_global_norm(e, ws, clipped, max_grad_norm, squares).grads
     update = add_optimizer(e, ws, clipped, name, options, LEARNING_RATE, STEP, finite, per_weight=per_weight)
     for v in reversed(update.inputs[:2]):  # Learning_Rate, Step first
         graph.inputs.insert(0, v)

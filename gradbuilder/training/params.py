@@ -56,23 +56,21 @@ from ..errors import InvalidArgumentError
 from ..interface import LEARNING_RATE
 from .stages.optimizer import OPTIMIZERS
 
-_DISTRIBUTED = "distributed and parallel training arrive with the distributed pass"
+_PIPELINE = "pipeline-parallel training arrives with the pipeline pass"
+_HORIZONTAL = ("horizontal (tensor) parallel training is not supported; gradbuilder trains data parallel "
+               "(data_parallel_size), with ZeRO 1 or 2 (deepspeed_zero_stage) and pipeline parallel "
+               "(pipeline_parallel_size) on torch.distributed: launch with `torchrun --nproc-per-node N SCRIPT`")
 
-# Options gradbuilder has no pass for yet: any value but the default is refused with this reason.
+# Options gradbuilder has no pass for: any value but the default is refused with this reason.
 # Enabling a pass = deleting its lines here.
 NOT_SUPPORTED_YET = {
-    "data_parallel_size": _DISTRIBUTED,
-    "horizontal_parallel_size": _DISTRIBUTED,
-    "pipeline_parallel_size": _DISTRIBUTED,
-    "num_pipeline_micro_batches": _DISTRIBUTED,
-    "pipeline_cut_info_string": _DISTRIBUTED,
-    "world_size": _DISTRIBUTED,
-    "deepspeed_zero_stage": _DISTRIBUTED,
-    "enable_adasum": _DISTRIBUTED,
-    "allreduce_post_accumulation": _DISTRIBUTED,
-    "sliced_axes": _DISTRIBUTED,
-    "sliced_schema": _DISTRIBUTED,
-    "sliced_tensor_names": _DISTRIBUTED,
+    "horizontal_parallel_size": _HORIZONTAL,
+    "pipeline_parallel_size": _PIPELINE,
+    "num_pipeline_micro_batches": _PIPELINE,
+    "pipeline_cut_info_string": _PIPELINE,
+    "sliced_axes": _HORIZONTAL,
+    "sliced_schema": _HORIZONTAL,
+    "sliced_tensor_names": _HORIZONTAL,
 }
 # Values that leave a not-yet-supported pass off besides its default.
 _ALSO_OFF: dict[str, tuple] = {}

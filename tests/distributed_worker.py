@@ -1,0 +1,74 @@
+"""One rank of a distributed test (tests/test_distributed.py starts one process per rank,
+with torchrun's or mpirun's environment): trains a TrainingSession on its shard of each
+micro-batch and writes what it saw to ``<out>/rank<r>.npz``.
+
+    python tests/distributed_worker.py CONFIG.json
+
+CONFIG: model (path), params (TrainingParameters.to_dict()), lr, data (npz with arrays
+[steps, global batch, ...] per input), mode ("run" or "stepwise"), and optionally
+"checkpoint_at" / "checkpoint" (save after that many steps), "resume" (a checkpoint to load
+first), "die_at" (this rank kills itself at that step: "die_rank"), "bad_feed_at" (this rank
+feeds a wrongly shaped batch at that step: "bad_rank"), "out".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import onnxruntime as ort
+
+from gradbuilder import TrainingParameters, TrainingSession
+from gradbuilder.runtime.distributed import launched
+
+
+def main() -> None:
+    cfg = json.load(open(sys.argv[1]))
+    rank, world = launched()
+    params = TrainingParameters.from_dict(cfg["params"])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = TrainingSession(cfg["model"], params, so, providers=["CPUExecutionProvider"])
+    sess.set_learning_rate(cfg["lr"])
+    if cfg.get("resume"):
+        sess.load_checkpoint(cfg["resume"])
+    data = dict(np.load(cfg["data"]))
+    replicas = world // max(params.pipeline_parallel_size, 1)
+    shard = rank % replicas
+    losses = []
+    steps = next(iter(data.values())).shape[0]
+    for step in range(steps):
+        feeds = {}
+        for name, batches in data.items():
+            part = np.array_split(batches[step], replicas)[shard]
+            feeds[name] = part
+        if cfg.get("die_at") == step and rank == cfg.get("die_rank"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("bad_feed_at") == step and rank == cfg.get("bad_rank"):
+            feeds = {n: v[:-1] for n, v in feeds.items()}
+        if cfg["mode"] == "run":
+            out = sess.run(None, feeds)
+            losses.append(float(np.asarray(out[0])))
+        else:
+            sess.lazy_reset_grad()
+            for micro in range(params.gradient_accumulation_steps):
+                part = {n: np.array_split(v, params.gradient_accumulation_steps)[micro] for n, v in feeds.items()}
+                out = sess.train_step(part)
+                losses.append(float(np.asarray(out[0] if isinstance(out, list) else out)))
+            sess.optimizer_step()
+        if cfg.get("checkpoint_at") == step + 1:
+            sess.save_checkpoint(cfg["checkpoint"])
+    state = sess.get_model_state()["full_precision"]
+    optimizer = sess.get_optimizer_state()
+    flat = {f"w/{n}": v for n, v in state.items()}
+    flat.update({f"o/{w}/{s}": v for w, states in optimizer.items() for s, v in states.items()})
+    np.savez(os.path.join(cfg["out"], f"rank{rank}.npz"), losses=np.array(losses), **flat)
+    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
+        json.dump({"partition": sess.get_partition_info_map(), "step": sess.step}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Distributed training on torch.distributed (gloo, localhost): each test starts its ranks as
+processes with torchrun's (or mpirun's) environment (tests/distributed_worker.py), bounded in
+time, and compares what they trained with one process trained on the whole batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradbuilder import TrainingParameters, TrainingSession
+from gradbuilder.errors import InvalidArgumentError
+
+torch = pytest.importorskip("torch")
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+TIMEOUT_S = 180  # a whole multi-process run; a hung collective fails the test, not the suite
+RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------------- models and data
+def mlp_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in [("W1", (8, 32)), ("B1", (32,)), ("W2", (32, 16)), ("B2", (16,)), ("W3", (16, 4)), ("B3", (4,))]]
+    nodes = [helper.make_node("Gemm", ["x", "W1", "B1"], ["h1"]), helper.make_node("Relu", ["h1"], ["a1"]),
+             helper.make_node("Gemm", ["a1", "W2", "B2"], ["h2"]), helper.make_node("Relu", ["h2"], ["a2"]),
+             helper.make_node("Gemm", ["a2", "W3", "B3"], ["logits"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], reduction="mean")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8]),
+                                             helper.make_tensor_value_info("y", TensorProto.INT64, ["batch"])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def mlp_data(steps: int, batch: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"x": rng.standard_normal((steps, batch, 8)).astype(np.float32),
+            "y": rng.integers(0, 4, (steps, batch)).astype(np.int64)}
+
+
+def transformer_model() -> onnx.ModelProto:
+    from .torch_models import export
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 16)
+            self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                                              for _ in range(2))
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, tokens, labels):
+            h = self.embed(tokens)
+            for layer in self.layers:
+                h = layer(h)
+            return torch.nn.functional.cross_entropy(self.head(h.mean(1)), labels)
+
+    torch.manual_seed(0)
+    tokens, labels = torch.randint(0, 32, (4, 6)), torch.randint(0, 4, (4,))
+    return export(Tiny().eval(), (tokens, labels), ["tokens", "labels"], dynamo=False, opset=17, dynamic_batch=True)
+
+
+def transformer_data(steps: int, batch: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(2)
+    return {"tokens": rng.integers(0, 32, (steps, batch, 6)).astype(np.int64),
+            "labels": rng.integers(0, 4, (steps, batch)).astype(np.int64)}
+
+
+def params_dict(**options) -> dict:
+    p = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", enable_grad_norm_clip=False)
+    for k, v in options.items():
+        setattr(p, k, v)
+    return p.to_dict()
+
+
+# ---------------------------------------------------------------------------- running
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp: Path, model: onnx.ModelProto, params: dict, data: dict, world: int, *, mode: str = "run",
+           launcher: str = "torchrun", expect_failure: bool = False, **extra) -> list[dict]:
+    """Run ``world`` ranks; returns each rank's results (or, with ``expect_failure``, each
+    rank's exit code and stderr)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, tmp / "model.onnx")
+    np.savez(tmp / "data.npz", **data)
+    cfg = {"model": str(tmp / "model.onnx"), "params": params, "lr": 0.01, "data": str(tmp / "data.npz"),
+           "mode": mode, "out": str(tmp), **extra}
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if launcher == "torchrun":
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        else:
+            env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp / "config.json")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + TIMEOUT_S
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append((p.returncode, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the {world} ranks did not finish within {TIMEOUT_S} s")
+    if expect_failure:
+        return [{"code": code, "stderr": err} for code, err in outputs]
+    for rank, (code, err) in enumerate(outputs):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    results = []
+    for rank in range(world):
+        arrays = dict(np.load(tmp / f"rank{rank}.npz"))
+        results.append({"losses": arrays.pop("losses"), "arrays": arrays,
+                        **json.loads((tmp / f"rank{rank}.json").read_text())})
+    return results
+
+
+def one_process(model, params: dict, data: dict, mode: str = "run", resume: str | None = None) -> dict:
+    """The reference: one process trains on each whole batch."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    p = TrainingParameters.from_dict(params)
+    sess = TrainingSession(model.SerializeToString(), p, so, providers=["CPUExecutionProvider"])
+    sess.set_learning_rate(0.01)
+    if resume:
+        sess.load_checkpoint(resume)
+    losses = []
+    for step in range(next(iter(data.values())).shape[0]):
+        feeds = {n: v[step] for n, v in data.items()}
+        if mode == "run":
+            losses.append(float(np.asarray(sess.run(None, feeds)[0])))
+        else:
+            sess.lazy_reset_grad()
+            for micro in range(p.gradient_accumulation_steps):
+                sess.train_step({n: np.array_split(v, p.gradient_accumulation_steps)[micro] for n, v in feeds.items()})
+            sess.optimizer_step()
+    arrays = {f"w/{n}": v for n, v in sess.get_model_state()["full_precision"].items()}
+    arrays.update({f"o/{w}/{s}": v for w, st in sess.get_optimizer_state().items() for s, v in st.items()})
+    return {"losses": np.array(losses), "arrays": arrays, "step": sess.step}
+
+
+def assert_close(a, b, what):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7, err_msg=what)
+
+
+def check_against(ranks: list[dict], ref: dict, losses: bool = True) -> None:
+    weights = [k for k in ref["arrays"] if k.startswith("w/")]
+    for r in ranks:
+        for k in weights:
+            assert_close(r["arrays"][k], ref["arrays"][k], k)
+        for k in [k for k in r["arrays"] if k.startswith("o/")]:
+            assert_close(r["arrays"][k], ref["arrays"][k], k)
+        assert r["step"] == ref["step"]
+    for k in weights:  # the replicas stay bit-identical
+        for r in ranks[1:]:
+            np.testing.assert_array_equal(r["arrays"][k], ranks[0]["arrays"][k], err_msg=k)
+    if losses:  # each rank's loss is its shard's mean: their mean is the whole batch's
+        assert_close(np.mean([r["losses"] for r in ranks], axis=0), ref["losses"], "losses")
+
+
+# ---------------------------------------------------------------------------- data parallel
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_equals_one_process_on_the_whole_batch(tmp_path, world):
+    model, data, params = mlp_model(), mlp_data(10), params_dict()
+    check_against(launch(tmp_path, model, params, data, world), one_process(model, params, data))
+
+
+@pytest.mark.parametrize("post", [False, True])
+def test_accumulation_reduces_each_micro_step_or_once(tmp_path, post):
+    model, data = mlp_model(), mlp_data(10)
+    params = params_dict(gradient_accumulation_steps=2, allreduce_post_accumulation=post)
+    check_against(launch(tmp_path, model, params, data, 2), one_process(model, params, data))
+
+
+def test_step_wise_api_with_accumulation(tmp_path):
+    model, data = mlp_model(), mlp_data(5)
+    params = params_dict(gradient_accumulation_steps=2, enable_grad_norm_clip=True)
+    ref = one_process(model, params, data, mode="stepwise")
+    check_against(launch(tmp_path, model, params, data, 2, mode="stepwise"), ref, losses=False)
+
+
+def test_transformer_data_parallel_launched_by_mpirun(tmp_path):
+    # SGD: the attention's key bias has a zero gradient (softmax ignores a constant added to a
+    # row), so its computed gradient is rounding noise, which Adam's normalization turns into
+    # full-size steps that differ between any two summation orders
+    model, data = transformer_model(), transformer_data(10)
+    params = params_dict(training_optimizer_name="sgd")
+    check_against(launch(tmp_path, model, params, data, 2, launcher="mpirun"), one_process(model, params, data))
+
+
+# ---------------------------------------------------------------------------- ZeRO
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_equals_data_parallel_with_its_state_partitioned(tmp_path, stage):
+    model, data = mlp_model(), mlp_data(10)
+    params = params_dict(deepspeed_zero_stage=stage, enable_grad_norm_clip=True, gradient_accumulation_steps=2)
+    ranks = launch(tmp_path, model, params, data, 2)
+    ref = one_process(model, params, data)
+    check_against(ranks, ref)
+    owners = ranks[0]["partition"]
+    assert owners == ranks[1]["partition"] and {o["owner"] for o in owners.values()} == {0, 1}
+    state_bytes = []
+    for rank, r in enumerate(ranks):
+        held = {k.split("/")[1] for k in r["arrays"] if k.startswith("o/")} - {"shared_optimizer_state"}
+        assert held == {w for w, o in owners.items() if o["owner"] == rank}
+        state_bytes.append(sum(v.nbytes for k, v in r["arrays"].items() if k.startswith("o/") and "/Step" not in k))
+    total = sum(v.nbytes for k, v in ref["arrays"].items() if k.startswith("o/") and "/Step" not in k)
+    assert sum(state_bytes) == total
+    largest = max(v.nbytes for k, v in ref["arrays"].items() if k.startswith("o/")) * 2  # a weight's two moments
+    assert max(state_bytes) <= total / 2 + largest
+
+
+def test_checkpoints_move_between_world_sizes_and_zero_stages(tmp_path):
+    model, data = mlp_model(), mlp_data(8)
+    params = params_dict(deepspeed_zero_stage=2)
+    first, rest = {n: v[:4] for n, v in data.items()}, {n: v[4:] for n, v in data.items()}
+    ckpt = tmp_path / "zero2.ckpt"
+    launch(tmp_path / "a", model, params, first, 2, checkpoint_at=4, checkpoint=str(ckpt))
+    assert ckpt.exists() and not list(tmp_path.glob("*.tmp*"))
+    whole = one_process(model, params_dict(), data)
+    # a ZeRO-2 checkpoint of 2 ranks resumes in one process ...
+    resumed = one_process(model, params_dict(), rest, resume=str(ckpt))
+    for k in whole["arrays"]:
+        assert_close(resumed["arrays"][k], whole["arrays"][k], k)
+    # ... and on 2 ranks under ZeRO 1
+    ranks = launch(tmp_path / "b", model, params_dict(deepspeed_zero_stage=1), rest, 2, resume=str(ckpt))
+    for k in [k for k in whole["arrays"] if k.startswith("w/")]:
+        assert_close(ranks[0]["arrays"][k], whole["arrays"][k], k)
+
+
+# ---------------------------------------------------------------------------- failures
+def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
+    model, data = mlp_model(), mlp_data(6)
+    start = time.monotonic()
+    out = launch(tmp_path, model, params_dict(), data, 2, expect_failure=True, die_at=3, die_rank=1)
+    assert time.monotonic() - start < 90
+    assert out[1]["code"] == -9
+    assert out[0]["code"] != 0 and "DistributedError" in out[0]["stderr"] and "rank 1 died" in out[0]["stderr"]
+
+
+def test_a_rank_with_another_batch_shape_is_refused_on_every_rank(tmp_path):
+    model, data = mlp_model(), mlp_data(4)
+    out = launch(tmp_path, model, params_dict(), data, 2, expect_failure=True, bad_feed_at=2, bad_rank=1)
+    for r in out:
+        assert r["code"] != 0
+        assert "InvalidArgumentError" in r["stderr"] and "inputs differ" in r["stderr"] and "rank 1" in r["stderr"]
+
+
+def test_world_size_must_match_the_launched_group(monkeypatch):
+    model = mlp_model().SerializeToString()
+    p = TrainingParameters.from_dict(params_dict())
+    p.world_size = 3
+    with pytest.raises(InvalidArgumentError, match="not launched as one of 3.*torchrun --nproc-per-node 3"):
+        TrainingSession(model, p, providers=["CPUExecutionProvider"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InvalidArgumentError, match="world_size=3 but the launched group has 2"):
+        TrainingSession(model, p, providers=["CPUExecutionProvider"])
+    p = TrainingParameters.from_dict(params_dict(data_parallel_size=4))
+    with pytest.raises(InvalidArgumentError, match="must equal the 2 launched processes"):
+        TrainingSession(model, p, providers=["CPUExecutionProvider"])
+
+
+def test_horizontal_parallel_refusal_says_what_is_supported():
+    p = TrainingParameters()
+    with pytest.raises(InvalidArgumentError, match="data parallel.*ZeRO.*pipeline.*torchrun"):
+        p.horizontal_parallel_size = 2
