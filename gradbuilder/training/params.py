@@ -253,6 +253,8 @@ class TrainingParameters:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_state", {})
         state = options.pop(_STATE, None)
+        if "world_size" in options:  # world_rank is checked against it, whatever the order given
+            options = {"world_size": options.pop("world_size"), **options}
         for name, value in options.items():
             setattr(self, name, value)
         if state is not None:
