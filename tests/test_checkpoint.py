@@ -587,3 +587,38 @@ def test_session_resumes_from_a_checkpoint_in_the_first_format(tmp_path):
     other = session(hidden=4)
     with pytest.raises(CheckpointError, match="another model or optimizer"):
         other.load_checkpoint(tmp_path / "old.ckpt")
+
+
+def test_a_checkpoint_between_accumulations_resumes_with_other_accumulation_steps(tmp_path):
+    """A checkpoint saved at an accumulation boundary (or without accumulation: a pipeline's
+    micro-batches) resumes with any gradient_accumulation_steps; one saved in the middle of an
+    accumulation only with its own."""
+    from gradbuilder import TrainingParameters, TrainingSession
+    from gradbuilder.errors import CheckpointError
+
+    from .helpers import linear_model
+
+    model = linear_model().SerializeToString()
+    x = np.random.default_rng(3).standard_normal((2, 1, 4)).astype(np.float32)
+
+    def session(steps):
+        p = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
+                               gradient_accumulation_steps=steps)
+        return TrainingSession(model, p, providers=["CPUExecutionProvider"])
+
+    plain = session(1)
+    plain.run(None, {"x": x})
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    two = session(2)
+    two.load_checkpoint(tmp_path / "plain.ckpt")
+    np.testing.assert_array_equal(two.get_model_state()["full_precision"]["W"],
+                                  plain.get_model_state()["full_precision"]["W"])
+    two.run(None, {"x": x})  # half an accumulation
+    two.save_checkpoint(tmp_path / "half.ckpt")
+    with pytest.raises(CheckpointError, match="middle of a gradient accumulation.*Accumulation_Step 1"):
+        session(1).load_checkpoint(tmp_path / "half.ckpt")
+    two.run(None, {"x": x})
+    two.save_checkpoint(tmp_path / "whole.ckpt")
+    again = session(1)
+    again.load_checkpoint(tmp_path / "whole.ckpt")
+    assert again.step == 2

@@ -134,8 +134,10 @@ def launch(tmp: Path, model: onnx.ModelProto, params: dict, data: dict, world: i
     return results
 
 
-def one_process(model, params: dict, data: dict, mode: str = "run", resume: str | None = None) -> dict:
-    """The reference: one process trains on each whole batch."""
+def one_process(model, params: dict, data: dict, mode: str = "run", resume: str | None = None,
+                micro: int = 1) -> dict:
+    """The reference: one process trains on each whole batch (``micro`` > 1: in that many
+    accumulation steps, the loss their mean)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     p = TrainingParameters.from_dict(params)
@@ -146,7 +148,10 @@ def one_process(model, params: dict, data: dict, mode: str = "run", resume: str 
     losses = []
     for step in range(next(iter(data.values())).shape[0]):
         feeds = {n: v[step] for n, v in data.items()}
-        if mode == "run":
+        if micro > 1:
+            losses.append(np.mean([float(np.asarray(sess.run(None, {n: np.split(v, micro)[i] for n, v in feeds.items()})[0]))
+                                   for i in range(micro)]))
+        elif mode == "run":
             losses.append(float(np.asarray(sess.run(None, feeds)[0])))
         else:
             sess.lazy_reset_grad()
@@ -163,16 +168,18 @@ def assert_close(a, b, what):
 
 
 def check_against(ranks: list[dict], ref: dict, losses: bool = True) -> None:
-    weights = [k for k in ref["arrays"] if k.startswith("w/")]
+    """Every rank's weights and optimizer state (a pipeline stage's: its own) equal the
+    reference's, the replicas' bit for bit, and each weight is held by some rank."""
+    held = set()
     for r in ranks:
-        for k in weights:
+        for k in [k for k in r["arrays"] if k.startswith(("w/", "o/"))]:
             assert_close(r["arrays"][k], ref["arrays"][k], k)
-        for k in [k for k in r["arrays"] if k.startswith("o/")]:
-            assert_close(r["arrays"][k], ref["arrays"][k], k)
+            held.add(k)
         assert r["step"] == ref["step"]
-    for k in weights:  # the replicas stay bit-identical
-        for r in ranks[1:]:
-            np.testing.assert_array_equal(r["arrays"][k], ranks[0]["arrays"][k], err_msg=k)
+        for other in ranks:
+            for k in set(r["arrays"]) & set(other["arrays"]) - {"losses"}:
+                np.testing.assert_array_equal(r["arrays"][k], other["arrays"][k], err_msg=k)
+    assert {k for k in ref["arrays"] if k.startswith("w/")} <= held
     if losses:  # each rank's loss is its shard's mean: their mean is the whole batch's
         assert_close(np.mean([r["losses"] for r in ranks], axis=0), ref["losses"], "losses")
 
@@ -244,6 +251,54 @@ def test_checkpoints_move_between_world_sizes_and_zero_stages(tmp_path):
     ranks = launch(tmp_path / "b", model, params_dict(deepspeed_zero_stage=1), rest, 2, resume=str(ckpt))
     for k in [k for k in whole["arrays"] if k.startswith("w/")]:
         assert_close(ranks[0]["arrays"][k], whole["arrays"][k], k)
+
+
+# ---------------------------------------------------------------------------- pipeline
+# a1 (the first ReLU's output) read by the node making h2, in onnxruntime-training's syntax
+@pytest.mark.parametrize("cuts", ["a1", "a1-h2", ""], ids=["by-name", "ort-syntax", "balanced"])
+def test_two_stage_pipeline_equals_four_accumulation_steps(tmp_path, cuts):
+    model, data = mlp_model(), mlp_data(6)
+    params = params_dict(pipeline_parallel_size=2, num_pipeline_micro_batches=4, pipeline_cut_info_string=cuts,
+                         enable_grad_norm_clip=True)
+    ranks = launch(tmp_path, model, params, data, 2)
+    ref = one_process(model, params_dict(gradient_accumulation_steps=4, enable_grad_norm_clip=True), data, micro=4)
+    check_against(ranks, ref)
+    assert {k for k in ranks[0]["arrays"] if k.startswith("w/")} == {"w/W1", "w/B1"}
+
+
+def test_a_pipeline_checkpoint_resumes_in_one_process(tmp_path):
+    model, data = mlp_model(), mlp_data(6)
+    accumulated = params_dict(gradient_accumulation_steps=4)
+    params = params_dict(pipeline_parallel_size=2, num_pipeline_micro_batches=4, pipeline_cut_info_string="h2")
+    ckpt = tmp_path / "pipeline.ckpt"
+    launch(tmp_path / "a", model, params, {n: v[:3] for n, v in data.items()}, 2, checkpoint_at=3,
+           checkpoint=str(ckpt))
+    resumed = one_process(model, accumulated, {n: v[3:] for n, v in data.items()}, resume=str(ckpt), micro=4)
+    whole = one_process(model, accumulated, data, micro=4)
+    for k in whole["arrays"]:
+        assert_close(resumed["arrays"][k], whole["arrays"][k], k)
+
+
+def test_pipeline_times_data_parallel(tmp_path):
+    model, data = transformer_model(), transformer_data(4, batch=16)
+    params = params_dict(training_optimizer_name="sgd", pipeline_parallel_size=2, data_parallel_size=2,
+                         num_pipeline_micro_batches=4)
+    ranks = launch(tmp_path, model, params, data, 4)
+    check_against(ranks, one_process(model, params_dict(training_optimizer_name="sgd", gradient_accumulation_steps=4),
+                                     data, micro=4))
+
+
+@pytest.mark.parametrize("cuts, message", [
+    ("nothing_here", "not a value of the graph"),
+    ("a1,h2,a2", "3 cuts; pipeline_parallel_size=2 needs 1"),
+])
+def test_bad_cuts_are_refused_before_any_step(tmp_path, cuts, message):
+    params = params_dict(pipeline_parallel_size=2, pipeline_cut_info_string=cuts)
+    out = launch(tmp_path, mlp_model(), params, mlp_data(2), 2, expect_failure=True, checkpoint_at=1,
+                 checkpoint=str(tmp_path / "never.ckpt"))
+    for r in out:
+        assert r["code"] != 0 and "InvalidArgumentError" in r["stderr"] and message in r["stderr"]
+    assert not (tmp_path / "never.ckpt").exists()
 
 
 # ---------------------------------------------------------------------------- failures

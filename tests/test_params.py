@@ -197,12 +197,12 @@ def test_weight_both_trained_and_not():
 # --- not supported yet ------------------------------------------------------------------------
 
 NON_DEFAULT = {
-    "horizontal_parallel_size": 2, "pipeline_parallel_size": 2,
-    "num_pipeline_micro_batches": 4, "pipeline_cut_info_string": "a-b",
+    "horizontal_parallel_size": 2,
     "sliced_axes": {"W": 0}, "sliced_schema": {"W": [2, 1]}, "sliced_tensor_names": ["W"],
 }
 DISTRIBUTED = {"data_parallel_size": 2, "world_size": 2, "world_rank": 1, "deepspeed_zero_stage": 1,
-               "enable_adasum": True, "allreduce_post_accumulation": True}
+               "enable_adasum": True, "allreduce_post_accumulation": True, "pipeline_parallel_size": 2,
+               "num_pipeline_micro_batches": 4, "pipeline_cut_info_string": "a-b"}
 
 
 def test_not_supported_cases_cover_the_table():
@@ -220,7 +220,6 @@ def test_not_supported_yet(name):
 
 def test_not_supported_reasons_say_what_is_supported_instead():
     assert "torchrun" in NOT_SUPPORTED_YET["horizontal_parallel_size"]
-    assert "pipeline pass" in NOT_SUPPORTED_YET["pipeline_parallel_size"]
 
 
 def test_distributed_options_are_accepted():

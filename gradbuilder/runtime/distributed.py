@@ -170,14 +170,16 @@ class Collectives:
     """torch.distributed calls over one group, each failure turned into a DistributedError
     that names the process that died or raised."""
 
-    def __init__(self, topo: Topology, ranks: Sequence[int] | None = None):
+    def __init__(self, topo: Topology, ranks: Sequence[int] | None = None, group=None):
+        """Over ``ranks`` (default: every rank), whose process group is ``group`` (made by
+        :func:`subgroups`; None: the default group)."""
         import torch.distributed as dist
 
         self.dist = dist
         self.topo = topo
         self.ranks = list(ranks) if ranks is not None else list(range(topo.world))
         self.size = len(self.ranks)
-        self.group = None if self.size == topo.world else dist.new_group(self.ranks)
+        self.group = group
         self._store = _store()
 
     # -- who failed
@@ -275,6 +277,21 @@ class Collectives:
         self._call(what, self.dist.recv, tensor, src)
 
 
+def subgroups(topo: Topology) -> tuple[Collectives, Collectives, Collectives]:
+    """Collectives over this rank's stage replicas (data parallel), over its replica's
+    stages (pipeline) and over every rank. Every rank makes every group, in one order, as
+    torch.distributed requires."""
+    import torch.distributed as dist
+
+    world = Collectives(topo)
+    if topo.stages == 1:
+        return world, world, world
+    stage_groups = [dist.new_group(topo.stage_ranks(k)) for k in range(topo.stages)]
+    pipe_groups = [dist.new_group(topo.pipeline_ranks(r)) for r in range(topo.replicas)]
+    return (Collectives(topo, topo.stage_ranks(topo.stage), stage_groups[topo.stage]),
+            Collectives(topo, topo.pipeline_ranks(topo.replica), pipe_groups[topo.replica]), world)
+
+
 def _store():
     try:
         from torch.distributed import distributed_c10d
@@ -359,7 +376,8 @@ class DataParallel:
     only the weights it owns (their optimizer state lives there alone; stage 2 keeps only
     their gradients too), and the owners broadcast the updated weights."""
 
-    def __init__(self, session, topo: Topology, params):
+    def __init__(self, session, topo: Topology, params, weights: list[str] | None = None):
+        """``weights``: the ones this process trains (a pipeline stage's; default all)."""
         if params.deepspeed_zero_stage == 3:
             raise InvalidArgumentError("TrainingParameters.deepspeed_zero_stage=3 (partitioned weights) is not "
                                        "supported; use 1 (partitioned optimizer state) or 2 (and gradients)")
@@ -371,31 +389,40 @@ class DataParallel:
             raise InvalidArgumentError("TrainingParameters.use_mixed_precision is not supported with distributed "
                                        "training yet: train in float32, or in one process")
         self.s, self.topo = session, topo
-        self.comm = Collectives(topo, topo.stage_ranks(topo.stage))
+        # the stage's replicas (they average gradients), the replica's stages (they sum the
+        # gradients' norm), every rank (checkpoints)
+        self.comm, self.norm_comm, self.world_comm = subgroups(topo)
         self.comm.announce()
         self.zero = params.deepspeed_zero_stage
         self.steps = params.gradient_accumulation_steps
         # ZeRO 2 keeps only the gradients a replica owns: they are reduced every micro-step
         self.post = params.allreduce_post_accumulation and self.zero < 2
-        weights = session.weights
+        weights = self.weights = list(session.weights if weights is None else weights)
         sizes = {w: int(np.prod(session._graphs.weight_specs[w].shape)) * session._graphs.weight_specs[w].dtype.itemsize
                  for w in weights}
         self.owner = ({w: self.comm.ranks[k] for w, k in partition(sizes, self.comm.size).items()} if self.zero
                       else {w: None for w in weights})
         self.owned = [w for w in weights if self.owner[w] in (None, topo.rank)]
-        self.elsewhere: set[str] = set()  # the optimizer states other ranks hold (ZeRO)
+        self.elsewhere: set[str] = set()  # the state other ranks hold (ZeRO; other pipeline stages)
+        # the optimizer updates some of the model's weights: the global norm is summed across ranks
+        self.partial = bool(self.zero) or topo.stages > 1
+        if self.zero:
+            self.norm_comm = self.comm
         self._check_same(session, params)
+        from ..interface import state_of
+
+        held = set(weights)
+        for w in session.weights:  # other pipeline stages' weights and states live there alone
+            if w not in held:
+                self.elsewhere.update([w] + [state_of(w, s) for s in session._builder.state_names_of(w)])
+        for w in weights:  # the optimizer state of the weights other replicas own (ZeRO)
+            if w not in self.owned:
+                self.elsewhere.update(state_of(w, s) for s in session._builder.state_names_of(w))
+        for name in self.elsewhere:
+            del session._state.values[name]
         self.comm.broadcast(self.comm.ranks[0], [self._view(n) for n in weights + session.buffers],
                             "broadcasting the initial weights from rank 0")
-        if self.zero:
-            from ..interface import state_of
-
-            mine = set(self.owned)
-            for w in weights:
-                if w not in mine:
-                    for s in session._builder.state_names_of(w):
-                        self.elsewhere.add(state_of(w, s))
-                        del session._state.values[state_of(w, s)]
+        if self.partial:
             session._graphs.owned = self.owned
 
     def _view(self, name: str):
@@ -452,10 +479,10 @@ class DataParallel:
         from .dlpack import to_torch
 
         if self.zero < 2:
-            self.comm.average([to_torch(grads[w]) for w in self.s.weights])
+            self.comm.average([to_torch(grads[w]) for w in self.weights])
             return grads
         for owner in self.comm.ranks:
-            self.comm.reduce_to(owner, [to_torch(grads[w]) for w in self.s.weights if self.owner[w] == owner])
+            self.comm.reduce_to(owner, [to_torch(grads[w]) for w in self.weights if self.owner[w] == owner])
         return {w: grads[w] for w in self.owned}
 
     @staticmethod
@@ -479,9 +506,9 @@ class DataParallel:
 
         s = self.s
         per_run = {LEARNING_RATE: rate}
-        if self.zero:
+        if self.partial:
             squares = sum(float(to_torch(grads[w]).double().square().sum()) for w in self.owned)
-            squares = self.comm.sum(squares, "summing the gradients' squared norm")
+            squares = self.norm_comm.sum(squares, "summing the gradients' squared norm")
             if not np.isfinite(squares):
                 s._check_finite({ALL_FINITE: s._state.ortvalue(np.array(False))})
                 return
@@ -497,7 +524,7 @@ class DataParallel:
             s._state.values[STEP] = s._state.ortvalue(np.array(s.step + 1, np.int64))
         if self.zero:
             for owner in self.comm.ranks:
-                self.comm.broadcast(owner, [self._view(w) for w in s.weights if self.owner[w] == owner],
+                self.comm.broadcast(owner, [self._view(w) for w in self.weights if self.owner[w] == owner],
                                     "broadcasting the updated weights from their owners")
 
     # ------------------------------------------------------------------ the session's calls
@@ -525,7 +552,7 @@ class DataParallel:
         if self.steps == 1:
             self.update(grads, rate)
             return results
-        buffers = {w: s._state[grad_accum(w)] for w in s.weights if grad_accum(w) in s._state}
+        buffers = {w: s._state[grad_accum(w)] for w in self.weights if grad_accum(w) in s._state}
         self.add(buffers, grads)
         done = int(s._state[ACCUMULATION_STEP].numpy()) + 1
         if done < self.steps:
@@ -555,23 +582,24 @@ class DataParallel:
 
     # ------------------------------------------------------------------ state
     def gathered(self, tensors: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray] | None:
-        """Every replica's ``tensors`` joined on the first replica (None on the others): the
-        state of the weights the others own, for one ordinary checkpoint."""
+        """Every rank's ``tensors`` joined on rank 0 (None on the others): the state of the
+        weights other ranks own or train, for one ordinary checkpoint."""
         import torch
 
-        first = self.comm.ranks[0]
-        listing = self.comm.agree({n: (v.dtype.str, v.shape) for n, v in tensors.items()}, what)
+        comm = self.world_comm
+        first = comm.ranks[0]
+        listing = comm.agree({n: (v.dtype.str, v.shape) for n, v in tensors.items()}, what)
         out = dict(tensors) if self.topo.rank == first else None
         have = set(listing[0])
-        for r, names in zip(self.comm.ranks[1:], listing[1:]):
+        for r, names in zip(comm.ranks[1:], listing[1:]):
             for name, (dtype, shape) in names.items():
                 if name in have:
                     continue
                 have.add(name)
                 if self.topo.rank == r:
-                    self.comm.send(torch.from_numpy(np.ascontiguousarray(tensors[name])), first, what)
+                    comm.send(torch.from_numpy(np.ascontiguousarray(tensors[name])), first, what)
                 elif self.topo.rank == first:
                     buf = torch.from_numpy(np.empty(shape, np.dtype(dtype)))
-                    self.comm.recv(buf, r, what)
+                    comm.recv(buf, r, what)
                     out[name] = buf.numpy()
         return out

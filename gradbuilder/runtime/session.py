@@ -94,6 +94,9 @@ class TrainingSession:
         self._check_precision(device)
         self._state = StateStore(initial, device)
         self._fingerprint = fingerprint(self.weights, initial, self._builder.optimizer)
+        # the same less the accumulation state: a checkpoint saved between accumulations
+        # resumes with another number of accumulation steps (or a pipeline's micro-batches)
+        self._between = fingerprint(self.weights, _without_accumulation(initial), self._builder.optimizer)
         self._graphs = GraphCache(self._builder, self._model, self._output_names(), self.weights + self.buffers,
                                   self._sess_options, names, options, device)
         self._graphs.weight_specs = {w: np.broadcast_to(np.zeros((), values[w].dtype), values[w].shape)
@@ -113,7 +116,15 @@ class TrainingSession:
         topo = distributed.topology(self._params)
         if topo is not None:
             distributed.init_process_group(device)
-            self._dist = distributed.DataParallel(self, topo, self._params)
+            if topo.stages == 1:
+                self._dist = distributed.DataParallel(self, topo, self._params)
+            else:
+                from .pipeline import PipelineParallel
+
+                whole = onnx.ModelProto()
+                whole.CopyFrom(self._model)
+                whole.graph.initializer.extend(numpy_helper.from_array(values[w], w) for w in self.weights)
+                self._dist = PipelineParallel(self, topo, self._params, whole)
 
     # ------------------------------------------------------------------ graphs and values
     def _check_precision(self, device) -> None:
@@ -265,6 +276,10 @@ class TrainingSession:
         rate = self._lr_ortvalue() if lr is None or lr == self._lr else self._state.ortvalue(np.array(lr, np.float32))
         if self._dist is not None:
             results = self._dist.run(feeds, rate)
+            missing = [n for n in names if n not in results]
+            if missing:
+                raise InvalidArgumentError(f"output_names: a pipeline-parallel step returns the loss "
+                                           f"'{self.loss_name}' only, not {missing}")
         else:
             results = self._run("step", feeds, dict(self._state.values), {self._builder.lr_name: rate}, run_options)
             self._check_finite(results)
@@ -357,6 +372,9 @@ class TrainingSession:
 
     def eval_step(self, *inputs):
         """The forward with the current weights: returns the model's outputs."""
+        if self._dist is not None and self._dist.topo.stages > 1:
+            raise InvalidArgumentError("eval_step with pipeline_parallel_size > 1 is not supported: save a checkpoint "
+                                       "and evaluate it in one process")
         results = self._run("eval", self._positional(inputs), self._state.take(self.weights + self.buffers))
         return _user_result([_numpy(results[n]) for n in self._output_names() if n in results])
 
@@ -446,6 +464,9 @@ class TrainingSession:
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
                                      graph_output_names: Sequence[str]) -> str:
         """Write the forward model with the trained weights, keeping ``graph_output_names``."""
+        if self._dist is not None and self._dist.topo.stages > 1:
+            raise InvalidArgumentError("export_model_for_inferencing with pipeline_parallel_size > 1: each stage holds "
+                                       "its own weights; save a checkpoint and export it from one process")
         from ..training.artifacts import export_model_for_inferencing
 
         proto = onnx.ModelProto()
@@ -463,7 +484,8 @@ class TrainingSession:
         precision and ``include_mixed_precision_weights`` also {"mixed_precision": {weight:
         array}}: the float16 / bfloat16 copies the graph computes with (the float32 master
         weights cast, as the graph casts them)."""
-        out = {"full_precision": {w: self._state.array(w) for w in self.weights + self.buffers}}
+        held = [w for w in self.weights + self.buffers if w in self._state]  # a pipeline stage: its own
+        out = {"full_precision": {w: self._state.array(w) for w in held}}
         low = self._builder.mixed_precision
         if include_mixed_precision_weights and low is not None:
             dtype = np.float16 if low == "float16" else ml_dtypes.bfloat16
@@ -566,7 +588,17 @@ class TrainingSession:
         """Resume from ``save_checkpoint``'s file: verified first (integrity, the same model
         and optimizer); the session changes only when all of it fits."""
         tensors, metadata = checkpoint.load(path)
-        if metadata.get("model") != self._fingerprint:
+        if metadata.get("model") != self._fingerprint and self._between == fingerprint(
+                self.weights, _without_accumulation({n: v for n, v in tensors.items() if not n.endswith(".grad")}),
+                self._builder.optimizer):
+            if int(tensors.get(ACCUMULATION_STEP, 0)):
+                raise CheckpointError(f"checkpoint {os.fspath(path)} was saved in the middle of a gradient accumulation"
+                                      " (Accumulation_Step "f"{int(tensors[ACCUMULATION_STEP])}); resume it with the "
+                                      "gradient_accumulation_steps it was saved with")
+            tensors = _without_accumulation(tensors)
+            tensors.update({n: np.zeros(*self._state.spec(n)) for n in self._state
+                            if n == ACCUMULATION_STEP or n.endswith(GRAD_ACCUM)})
+        elif metadata.get("model") != self._fingerprint:
             ours, theirs = set(self._state), {n for n in tensors if not n.endswith(".grad")}
             detail = []
             if theirs - ours:
@@ -767,6 +799,10 @@ def _flatten_state(state: Mapping) -> dict[str, np.ndarray]:
         for s, value in states.items():
             flat[s if weight == "shared_optimizer_state" else f"{weight}.{s}"] = value
     return flat
+
+
+def _without_accumulation(state: Mapping) -> dict:
+    return {n: v for n, v in state.items() if n != ACCUMULATION_STEP and not n.endswith(GRAD_ACCUM)}
 
 
 def _properties_json(properties) -> str:

@@ -56,7 +56,6 @@ from ..errors import InvalidArgumentError
 from ..interface import LEARNING_RATE
 from .stages.optimizer import OPTIMIZERS
 
-_PIPELINE = "pipeline-parallel training arrives with the pipeline pass"
 _HORIZONTAL = ("horizontal (tensor) parallel training is not supported; gradbuilder trains data parallel "
                "(data_parallel_size), with ZeRO 1 or 2 (deepspeed_zero_stage) and pipeline parallel "
                "(pipeline_parallel_size) on torch.distributed: launch with `torchrun --nproc-per-node N SCRIPT`")
@@ -65,9 +64,6 @@ _HORIZONTAL = ("horizontal (tensor) parallel training is not supported; gradbuil
 # Enabling a pass = deleting its lines here.
 NOT_SUPPORTED_YET = {
     "horizontal_parallel_size": _HORIZONTAL,
-    "pipeline_parallel_size": _PIPELINE,
-    "num_pipeline_micro_batches": _PIPELINE,
-    "pipeline_cut_info_string": _PIPELINE,
     "sliced_axes": _HORIZONTAL,
     "sliced_schema": _HORIZONTAL,
     "sliced_tensor_names": _HORIZONTAL,
