@@ -260,6 +260,20 @@ def _cmd_train(args) -> int:
     _check_distinct(**{"--checkpoint": args.checkpoint, "-o": args.output})
     data = _load_arrays("--data", args.data, args.batch_size)
     evaluation = _load_arrays("--eval-data", args.eval_data, args.batch_size) if args.eval_data else data
+    from .runtime.distributed import launched
+
+    group = launched()
+    world = group[1] if group is not None else args.nproc_per_node
+    if args.batch_size % world:
+        raise InvalidArgumentError(f"--batch-size {args.batch_size} must be divisible by the {world} processes "
+                                   "(each takes an equal share of every batch)")
+    if args.zero_stage and world == 1:
+        raise InvalidArgumentError("--zero-stage needs --nproc-per-node N > 1 (it partitions state across processes)")
+    if world > 1 and group is None:
+        return _launch(args)
+    main_rank = group is None or group[0] == 0  # the one that reports and writes files
+    if not main_rank:
+        logging.getLogger("gradbuilder").setLevel(logging.WARNING)
 
     from . import TrainingParameters
     from .compiler import modelio
@@ -303,7 +317,8 @@ def _cmd_train(args) -> int:
 
     params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=args.optimizer,
                                 enable_grad_norm_clip=args.max_grad_norm is not None,
-                                gradient_accumulation_steps=args.accumulation_steps)
+                                gradient_accumulation_steps=args.accumulation_steps,
+                                deepspeed_zero_stage=args.zero_stage)
     if args.weights:
         params.weights_to_train = args.weights
     if args.frozen:
@@ -343,18 +358,23 @@ def _cmd_train(args) -> int:
             log.info("nothing to train: the checkpoint has seen %d batches and --steps is %d", done, args.steps)
         else:
             losses = fit(session, data, args.steps - done, args.batch_size,
-                         seed=args.seed if args.seed is not None else 0, progress=_progress(args), stop=stop)
+                         seed=args.seed if args.seed is not None else 0,
+                         progress=_progress(args) if main_rank else False, stop=stop)
         if stop.signum is not None:  # handlers stay in place while the checkpoint is written
             return _stopped(args, session, stop.signum, int(session.properties.get(BATCHES_SEEN, done)))
+    if args.checkpoint:  # every rank takes part; the first writes it
+        session.save_checkpoint(args.checkpoint)
+    if not main_rank:
+        return 0
     if losses:
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {done + len(losses)} steps")
+        shard = " (rank 0's share of each batch)" if world > 1 else ""
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {done + len(losses)} steps{shard}")
     score = None
-    if args.accuracy:  # before anything is written: a failure here leaves no file behind
+    if args.accuracy:  # before the model is written: a failure here leaves no file behind
         scores_name, target = args.accuracy
         scores = _evaluate(session, scores_name, evaluation, args.batch_size)
         score = accuracy(scores, evaluation[target][: len(scores)])
     if args.checkpoint:
-        session.save_checkpoint(args.checkpoint)
         print(f"wrote checkpoint {args.checkpoint}")
     if args.output:
         try:
@@ -366,6 +386,30 @@ def _cmd_train(args) -> int:
         print(f"wrote {args.output} (outputs {', '.join(keep)})")
     if score is not None:
         print(f"accuracy ({args.accuracy[0]} vs {args.accuracy[1]}): {score:.1%}")
+    return 0
+
+
+def _launch(args) -> int:
+    """This command again in ``--nproc-per-node`` processes, started by torch's launcher."""
+    try:
+        from torch.distributed import run
+    except ImportError:
+        raise InvalidArgumentError("--nproc-per-node needs torch.distributed: pip install 'gradbuilder[distributed]'") \
+            from None
+    rest, skip = [], False
+    for arg in args.argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            rest.append(arg)
+    log.info("starting %d processes with torch.distributed.run", args.nproc_per_node)
+    try:
+        run.main(["--nproc-per-node", str(args.nproc_per_node), "--standalone", "-m", "gradbuilder.cli", *rest])
+    except Exception as exc:  # noqa: BLE001 - torch's ChildFailedError names the failed rank
+        print(f"gradbuilder: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -556,6 +600,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_positive_float, help="step scheduler: decay factor (default 0.1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when usable, else CPU (default)")
+    p.add_argument("--nproc-per-node", type=_integer(1), default=1,
+                   help="train data parallel in N processes on this machine, started by torch's launcher (torchrun); "
+                        "each takes 1/N of every batch (default 1)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
+                   help="with --nproc-per-node: ZeRO stage (1: optimizer state partitioned, 2: and gradients)")
     p.add_argument("--resume", help="checkpoint to continue from: its weights, optimizer state, learning rate, "
                                     "schedule and data order (--lr, --scheduler and its options, --seed are ignored)")
     p.add_argument("--checkpoint", help="write a checkpoint here at the end, or when SIGINT (Ctrl-C) or SIGTERM "
@@ -596,6 +645,7 @@ def _one_line(exc) -> str:
 def main(argv=None) -> int:
     try:
         args = parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
     except _UsageError as exc:
         print(f"{exc.prog}: error: {exc}", file=sys.stderr)
         return 2

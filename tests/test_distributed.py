@@ -338,3 +338,32 @@ def test_horizontal_parallel_refusal_says_what_is_supported():
     p = TrainingParameters()
     with pytest.raises(InvalidArgumentError, match="data parallel.*ZeRO.*pipeline.*torchrun"):
         p.horizontal_parallel_size = 2
+
+
+# ---------------------------------------------------------------------------- command line
+def test_cli_trains_data_parallel_in_n_processes(tmp_path):
+    from gradbuilder.runtime import checkpoint
+
+    onnx.save(mlp_model(), tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(5)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((64, 8)).astype(np.float32),
+             y=rng.integers(0, 4, 64).astype(np.int64))
+    common = [sys.executable, "-m", "gradbuilder.cli", "train", str(tmp_path / "mlp.onnx"), "--data",
+              str(tmp_path / "data.npz"), "--steps", "6", "--batch-size", "8", "--lr", "0.01", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run(common + ["--nproc-per-node", "2", "--zero-stage", "1", "--checkpoint",
+                                   str(tmp_path / "two.ckpt"), "-o", str(tmp_path / "two.onnx")],
+                         capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("loss ") == 1 and "rank 0's share" in two.stdout
+    one = subprocess.run(common + ["--checkpoint", str(tmp_path / "one.ckpt")], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (a, _), (b, _) = checkpoint.load(tmp_path / "two.ckpt"), checkpoint.load(tmp_path / "one.ckpt")
+    assert set(a) == set(b)
+    for name in a:
+        assert_close(a[name], b[name], name)
+    ort.InferenceSession(str(tmp_path / "two.onnx"), providers=["CPUExecutionProvider"])
+    bad = subprocess.run(common + ["--batch-size", "7", "--nproc-per-node", "2"], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, env=env)
+    assert bad.returncode != 0 and "must be divisible by the 2 processes" in bad.stderr

@@ -77,7 +77,9 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     terminal. ``stop``: asked before each step; when it returns True the loop ends there, with
     every finished step complete (weights, optimizer state, schedule, ``properties``), so the
     session can be checkpointed and resumed exactly (``gradbuilder train`` passes a flag set
-    by SIGINT/SIGTERM); the returned list then holds fewer than ``steps`` losses."""
+    by SIGINT/SIGTERM); the returned list then holds fewer than ``steps`` losses. A
+    data-parallel session (``session.data_shard``) trains on its share of each batch: every
+    process draws the same batches."""
     loss_name = loss_name or session.loss_name
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be an int >= 1, got {steps!r}")
@@ -88,6 +90,7 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     if missing:
         raise InvalidArgumentError(f"the data has no arrays for the model input(s) {missing}; it has {sorted(data)}")
     stream_of_batches = batches({n: data[n] for n in feed_names}, batch_size, seed, start=done)
+    shard, shards = session.data_shard
     # The first step builds and compiles the graphs: it gets a bar of its own, and the bar
     # that follows starts after it, so that its rate and time left count the later steps only.
     bar = progress_bar(steps, progress=progress, stream=stream, leave=False, postfix="first step: building the graphs")
@@ -98,7 +101,10 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
                 log.debug("stopped before step %d of %d", i + 1, steps)
                 break
             updates = session.step
-            (loss,) = session.run([loss_name], next(stream_of_batches))
+            batch = next(stream_of_batches)
+            if shards > 1:  # data parallel: this process's share of the batch
+                batch = {n: np.array_split(a, shards)[shard] for n, a in batch.items()}
+            (loss,) = session.run([loss_name], batch)
             session.properties.update({BATCHES_SEEN: done + i + 1, DATA_SEED: seed})
             losses.append(float(loss))
             if session.scheduler is not None and session.step > updates:

@@ -698,6 +698,14 @@ class TrainingSession:
         return self._scheduler
 
     @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this process's replica, the number of replicas): in data-parallel training each
+        replica trains on its share of every batch; (0, 1) in one process."""
+        if self._dist is None:
+            return 0, 1
+        return self._dist.topo.replica, self._dist.topo.replicas
+
+    @property
     def step(self) -> int:
         """Optimizer updates done so far."""
         return int(_numpy(self._state[STEP]))
