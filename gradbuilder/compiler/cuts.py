@@ -103,25 +103,13 @@ class Stage:
             modelio.weights_as_inputs(proto, self.weights)
             outputs = [self.loss] if self.loss is not None else _floats(self.model.graph.output, self.sends)
             split = build_split(proto, _floats(self.model.graph.input, self.receives) + self.weights, outputs=outputs)
-            self._split = _unique_inputs(split)
+            self._split = split
         return self._split
 
 
 def _floats(infos, names: list[str]) -> list[str]:
     float_names = {i.name for i in infos if i.type.tensor_type.elem_type in FLOAT_TENSOR_TYPES}
     return [n for n in names if n in float_names]
-
-
-def _unique_inputs(split: SplitGraphs) -> SplitGraphs:
-    """``split`` with each backward input listed once: a value a stage passes on unchanged is
-    both an input and an output of the stage, and the backward reads it as each."""
-    graph = split.backward.graph
-    kept = list({i.name: i for i in reversed(graph.input)}.values())[::-1]
-    if len(kept) != len(graph.input):
-        del graph.input[:]
-        graph.input.extend(kept)
-        split.backward_inputs = [i.name for i in kept]
-    return split
 
 
 def cut_model(model, cuts, loss: str, weights: Iterable[str]) -> list[Stage]:

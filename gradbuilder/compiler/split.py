@@ -71,7 +71,8 @@ def _build_split(model, wrt: list[str], outputs, stop_gradients: list[str], keep
     read_inputs = [i for i in forward_graph_inputs if i.name in forward_inputs_read]
     bw_reads = set().union(*(modelio.node_reads(n) for n in bw_nodes)) | {g.name for g in grad_infos}
     outputs_read = [i for i in out_infos if i.name in bw_reads]
-    bw_inputs = seed_inputs + outputs_read + saved_infos + read_inputs
+    # an output that is also a graph input (a value passed on unchanged) is read once
+    bw_inputs = list({i.name: i for i in reversed(seed_inputs + outputs_read + saved_infos + read_inputs)}.values())[::-1]
     bw = _part(full, bw_nodes, bw_inputs, grad_infos, "backward")
     return SplitGraphs(
         forward=fw, backward=bw, outputs=output_names, saved=saved_names,
