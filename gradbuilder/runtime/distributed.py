@@ -22,6 +22,7 @@ import functools
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -181,6 +182,7 @@ class Collectives:
         self.size = len(self.ranks)
         self.group = group
         self._store = _store()
+        self.seconds = 0.0  # spent in this group's collectives (waiting for the others included)
 
     # -- who failed
     def announce(self) -> None:
@@ -221,10 +223,13 @@ class Collectives:
                                 f"timeout {timeout_seconds():g} s ({TIMEOUT_ENV})")
 
     def _call(self, what: str, fn, *args, **kwargs):
+        start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise several kinds
             raise self.failure(what, exc) from exc
+        finally:
+            self.seconds += time.perf_counter() - start
 
     # -- the collectives
     def all_gather_objects(self, value, what: str) -> list:
@@ -404,6 +409,7 @@ class DataParallel:
                       else {w: None for w in weights})
         self.owned = [w for w in weights if self.owner[w] in (None, topo.rank)]
         self.elsewhere: set[str] = set()  # the state other ranks hold (ZeRO; other pipeline stages)
+        self._flat = None  # the gradients' flat buckets, made on the first step
         # the optimizer updates some of the model's weights: the global norm is summed across ranks
         self.partial = bool(self.zero) or topo.stages > 1
         if self.zero:
@@ -466,35 +472,76 @@ class DataParallel:
                                        "shard of the same shape (the gradients are averaged with equal weights)")
         if s.buffers:  # running statistics follow rank 0's, as DistributedDataParallel's broadcast_buffers
             self.comm.broadcast(self.comm.ranks[0], [self._view(b) for b in s.buffers], "broadcasting the running statistics")
-        results = s._run("gradients", feeds, state, s._state.take(s.weights))
+        into = {updated(grad_accum(w)): v for w, v in self._buckets()[1].items()}
+        results = s._run("gradients", feeds, state, s._state.take(s.weights), into=into)
         s._state.commit({updated(b): results[updated(b)] for b in s.buffers})
         grads = {w: results[updated(grad_accum(w))] for w in s.weights}
         if self.steps == 1 or not self.post:
             grads = self.reduce(grads)
         return results, grads
 
+    def _buckets(self) -> tuple[list, dict]:
+        """Flat buffers the gradient graph writes the gradients into (as DDP's gradient-as-
+        bucket views: reduced with no copy), each holding weights of one owner and dtype, up
+        to BUCKET_BYTES: ([(owner, flat torch tensor, [weights])], {weight: its OrtValue view})."""
+        if self._flat is None:
+            import torch
+
+            from .dlpack import to_ort, to_torch
+
+            specs = self.s._graphs.weight_specs
+            groups: list[tuple] = []
+            for w in self.weights:
+                spec = specs[w]
+                key = (self.owner[w] if self.zero >= 2 else None, spec.dtype)
+                size = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
+                if not groups or groups[-1][0] != key or groups[-1][2] + size > BUCKET_BYTES:
+                    groups.append((key, [], 0))
+                groups[-1] = (key, groups[-1][1] + [w], groups[-1][2] + size)
+            buckets, views = [], {}
+            for (owner, dtype), names, _ in groups:
+                like = to_torch(self.s._state.ortvalue(np.zeros(0, dtype)))
+                flat = torch.empty(sum(int(np.prod(specs[w].shape, dtype=np.int64)) for w in names), dtype=like.dtype,
+                                   device=like.device)
+                offset = 0
+                for w in names:
+                    n = int(np.prod(specs[w].shape, dtype=np.int64))
+                    views[w] = to_ort(flat[offset: offset + n].view(specs[w].shape))
+                    offset += n
+                buckets.append((owner, flat, names))
+            self._flat = buckets, views
+        return self._flat
+
     def reduce(self, grads: dict) -> dict:
         """The gradients averaged across the replicas: all of them, or with ZeRO 2 the ones
-        this replica owns (the others are dropped)."""
+        this replica owns (the others are dropped). Gradients in the flat buckets are reduced
+        there; others (accumulation buffers) in buckets of their own."""
         from .dlpack import to_torch
 
-        if self.zero < 2:
+        buckets, views = self._flat or ([], {})
+        if views and all(grads.get(w) is views[w] for w in self.weights):
+            for owner, flat, _ in buckets:
+                if owner is None:
+                    self.comm.average([flat])
+                else:
+                    self.comm.reduce_to(owner, [flat])
+        elif self.zero < 2:
             self.comm.average([to_torch(grads[w]) for w in self.weights])
-            return grads
-        for owner in self.comm.ranks:
-            self.comm.reduce_to(owner, [to_torch(grads[w]) for w in self.weights if self.owner[w] == owner])
-        return {w: grads[w] for w in self.owned}
+        else:
+            for owner in self.comm.ranks:
+                self.comm.reduce_to(owner, [to_torch(grads[w]) for w in self.weights if self.owner[w] == owner])
+        return grads if self.zero < 2 else {w: grads[w] for w in self.owned}
 
-    @staticmethod
-    def add(into: dict, grads: dict) -> None:
-        """``into[w] += grads[w]`` in place (``into`` takes ``grads``' tensors where it has none)."""
-        from .dlpack import to_torch
+    def add(self, into: dict, grads: dict) -> None:
+        """``into[w] += grads[w]`` in place (``into`` takes a copy where it has none: the next
+        micro-step writes its gradients into the same buckets)."""
+        from .dlpack import to_ort, to_torch
 
         for w, g in grads.items():
             if w in into:
                 to_torch(into[w]).add_(to_torch(g))
             else:
-                into[w] = g
+                into[w] = to_ort(to_torch(g).clone())
 
     # ------------------------------------------------------------------ the update
     def update(self, grads: dict, rate) -> None:

@@ -128,11 +128,15 @@ class StepBinding:
         current = {**self.sets[self.turn], **self.in_place}
         return len(state) == len(current) and all(state.get(n) is v for n, v in current.items())
 
-    def run(self, feeds: Mapping[str, ort.OrtValue], run_options=None) -> tuple[dict, dict]:
-        """(the other outputs, the new state values) of one run with ``feeds``."""
+    def run(self, feeds: Mapping[str, ort.OrtValue], run_options=None,
+            into: Mapping[str, ort.OrtValue] = {}) -> tuple[dict, dict]:
+        """(the other outputs, the new state values) of one run with ``feeds``; the outputs
+        named in ``into`` are written into those buffers (data parallel's flat buckets)."""
         b = self.bindings[self.turn]
         for name, value in feeds.items():
             b.bind_ortvalue_input(name, value)
+        for name, value in into.items():
+            b.bind_ortvalue_output(name, value)
         self.graph.session.run_with_iobinding(b, run_options)
         results = dict(zip(self.outputs, b.get_outputs()[: len(self.outputs)]))
         kind, index = self.graph.device

@@ -192,18 +192,20 @@ class TrainingSession:
         return self._lr_value
 
     def _run(self, kind: str, feeds: Mapping[str, object], state: Mapping[str, ort.OrtValue],
-             per_run: Mapping[str, ort.OrtValue] = {}, run_options=None) -> dict[str, ort.OrtValue]:
+             per_run: Mapping[str, ort.OrtValue] = {}, run_options=None,
+             into: Mapping[str, ort.OrtValue] = {}) -> dict[str, ort.OrtValue]:
         """Run graph ``kind`` with the user's ``feeds`` (validated), the ``state`` it updates
         (each ``X`` with its output ``X.updated``; bound once across runs, see ``_bound``) and
         the values it only reads this run (``per_run``); returns every output as an
-        OrtValue. Falls back to CPU once on a provider failure."""
+        OrtValue, those named in ``into`` written there. Falls back to CPU once on a provider
+        failure."""
         graph = self._graphs[kind]
         given = {**state, **per_run}
         checked = graph.check_feeds(feeds, given, self._check_labels if self._labels else None)
         user = {n: self._state.ortvalue(v) for n, v in checked.items()}
         try:
             if kind in _BOUND:
-                return self._bound(kind, graph, state, {**user, **per_run}, run_options)
+                return self._bound(kind, graph, state, {**user, **per_run}, run_options, into)
             return graph.run({**user, **given}, None, run_options)
         except _OrtErrors.InvalidArgument as exc:
             raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
@@ -221,7 +223,7 @@ class TrainingSession:
             bound = {n: self._state.ortvalue(_numpy(v)) for n, v in bound.items()}
             return self._graphs[kind].run(bound, None, run_options)
 
-    def _bound(self, kind: str, graph, state, per_run, run_options) -> dict[str, ort.OrtValue]:
+    def _bound(self, kind: str, graph, state, per_run, run_options, into={}) -> dict[str, ort.OrtValue]:
         """A run through the graph's StepBinding (made again when the state was replaced since:
         a load, a device move, the other API): the state written after every read of it
         (``GraphCache.in_place``: the weights and the optimizer's states of a step) is updated
@@ -233,7 +235,7 @@ class TrainingSession:
         binding = self._bindings.get(kind)
         if binding is None or binding.graph is not graph or not binding.holds(state):
             binding = self._bindings[kind] = StepBinding(graph, state, self._graphs.in_place(kind) & set(state))
-        results, new_state = binding.run(per_run, run_options)
+        results, new_state = binding.run(per_run, run_options, into)
         results.update({updated(n): v for n, v in new_state.items()})
         return results
 
