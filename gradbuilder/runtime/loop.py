@@ -90,7 +90,7 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     if missing:
         raise InvalidArgumentError(f"the data has no arrays for the model input(s) {missing}; it has {sorted(data)}")
     stream_of_batches = batches({n: data[n] for n in feed_names}, batch_size, seed, start=done)
-    shard, shards = session.data_shard
+    shard, shards = getattr(session, "data_shard", (0, 1))  # (a stand-in session may lack it)
     # The first step builds and compiles the graphs: it gets a bar of its own, and the bar
     # that follows starts after it, so that its rate and time left count the later steps only.
     bar = progress_bar(steps, progress=progress, stream=stream, leave=False, postfix="first step: building the graphs")
