@@ -18,6 +18,7 @@ from gradbuilder.errors import InvalidArgumentError
 from gradbuilder.testing import run_onnxruntime
 
 from .helpers import make_model, tensor, vi
+from .torch_models import TinyEncoder
 
 ORT_EXAMPLE = "1393:407-1463/1585/1707,2369:407-2439/2561/2683"
 
@@ -32,19 +33,6 @@ class MLP(torch.nn.Module):
 
     def forward(self, x, y):
         return torch.nn.functional.cross_entropy(self.net(x), y)
-
-
-class Encoder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(20, 16)
-        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(16, 5)
-
-    def forward(self, x, y):
-        return torch.nn.functional.cross_entropy(self.head(self.enc(self.emb(x)).mean(1)), y)
 
 
 def export(module: torch.nn.Module, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -78,7 +66,7 @@ def mlp():
 def encoder():
     rng = np.random.default_rng(1)
     feeds = {"x": rng.integers(0, 20, (3, 7)).astype(np.int64), "y": rng.integers(0, 5, (3,)).astype(np.int64)}
-    return export(Encoder(), feeds), feeds
+    return export(TinyEncoder(20), feeds), feeds
 
 
 def skip_model() -> onnx.ModelProto:

@@ -50,25 +50,11 @@ def mlp_data(steps: int, batch: int = 8) -> dict[str, np.ndarray]:
 
 
 def transformer_model() -> onnx.ModelProto:
-    from .torch_models import export
+    from .torch_models import TinyEncoder, export
 
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(32, 16)
-            self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-                                              for _ in range(2))
-            self.head = torch.nn.Linear(16, 4)
-
-        def forward(self, tokens, labels):
-            h = self.embed(tokens)
-            for layer in self.layers:
-                h = layer(h)
-            return torch.nn.functional.cross_entropy(self.head(h.mean(1)), labels)
-
-    torch.manual_seed(0)
     tokens, labels = torch.randint(0, 32, (4, 6)), torch.randint(0, 4, (4,))
-    return export(Tiny().eval(), (tokens, labels), ["tokens", "labels"], dynamo=False, opset=17, dynamic_batch=True)
+    return export(TinyEncoder(32, classes=4).eval(), (tokens, labels), ["tokens", "labels"], dynamo=False, opset=17,
+                  dynamic_batch=True)
 
 
 def transformer_data(steps: int, batch: int = 8) -> dict[str, np.ndarray]:
@@ -185,7 +171,7 @@ def check_against(ranks: list[dict], ref: dict, losses: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------------- data parallel
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_data_parallel_equals_one_process_on_the_whole_batch(tmp_path, world):
     model, data, params = mlp_model(), mlp_data(10), params_dict()
     check_against(launch(tmp_path, model, params, data, world), one_process(model, params, data))
@@ -205,6 +191,7 @@ def test_step_wise_api_with_accumulation(tmp_path):
     check_against(launch(tmp_path, model, params, data, 2, mode="stepwise"), ref, losses=False)
 
 
+@pytest.mark.slow
 def test_transformer_data_parallel_launched_by_mpirun(tmp_path):
     # SGD: the attention's key bias has a zero gradient (softmax ignores a constant added to a
     # row), so its computed gradient is rounding noise, which Adam's normalization turns into
@@ -235,6 +222,7 @@ def test_zero_equals_data_parallel_with_its_state_partitioned(tmp_path, stage):
     assert max(state_bytes) <= total / 2 + largest
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_world_sizes_and_zero_stages(tmp_path):
     model, data = mlp_model(), mlp_data(8)
     params = params_dict(deepspeed_zero_stage=2)
@@ -279,6 +267,7 @@ def test_a_pipeline_checkpoint_resumes_in_one_process(tmp_path):
         assert_close(resumed["arrays"][k], whole["arrays"][k], k)
 
 
+@pytest.mark.slow
 def test_pipeline_times_data_parallel(tmp_path):
     model, data = transformer_model(), transformer_data(4, batch=16)
     params = params_dict(training_optimizer_name="sgd", pipeline_parallel_size=2, data_parallel_size=2,
@@ -341,6 +330,7 @@ def test_horizontal_parallel_refusal_says_what_is_supported():
 
 
 # ---------------------------------------------------------------------------- command line
+@pytest.mark.slow
 def test_cli_trains_data_parallel_in_n_processes(tmp_path):
     from gradbuilder.runtime import checkpoint
 

@@ -14,21 +14,10 @@ import torch
 from gradbuilder import TrainingParameters, TrainingSession
 from gradbuilder.training.stages.loss_scale import SCALE
 
+from .torch_models import TinyEncoder
+
 STEPS = 6
 CPU = ["CPUExecutionProvider"]
-
-
-class Encoder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(50, 16)
-        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(16, 5)
-
-    def forward(self, x, y):
-        return torch.nn.functional.cross_entropy(self.head(self.enc(self.emb(x)).mean(1)), y)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +29,7 @@ def encoder():
     f = io.BytesIO()
     with warnings.catch_warnings():  # keep_initializers_as_inputs: no merging of the equal fresh layers
         warnings.simplefilter("ignore")
-        torch.onnx.export(Encoder().eval(), (torch.from_numpy(x), torch.from_numpy(y)), f, input_names=["x", "y"],
+        torch.onnx.export(TinyEncoder(50).eval(), (torch.from_numpy(x), torch.from_numpy(y)), f, input_names=["x", "y"],
                           output_names=["loss"], dynamo=False, opset_version=17, keep_initializers_as_inputs=True)
     model = onnx.load_from_string(f.getvalue())
     inits = {t.name for t in model.graph.initializer}

@@ -83,6 +83,22 @@ def compare_with_torch(module: torch.nn.Module, args: tuple, input_names: list[s
     return errors
 
 
+class TinyEncoder(torch.nn.Module):
+    """Embedding, a 2-layer transformer encoder (d 16, 2 heads, ff 32, dropout off), the mean
+    over the sequence and a linear head; ``forward(tokens, labels)`` is the cross-entropy loss."""
+
+    def __init__(self, vocab: int, classes: int = 5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, classes)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.enc(self.emb(x)).mean(1)), y)
+
+
 def tiny_bert(vocab: int, positions: int, labels: int, intermediate: int):
     """A randomly initialised 2-layer BERT classifier (hidden 32, 4 heads), dropout off."""
     import transformers
