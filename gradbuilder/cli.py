@@ -413,6 +413,44 @@ def _launch(args) -> int:
     return 0
 
 
+def _cmd_export_web(args) -> int:
+    _check_input_file("model", args.model)
+    if args.loss is None and (args.loss_output or args.target):
+        raise InvalidArgumentError("--loss-output and --target need --loss")
+    from .training.web import export_web
+
+    written = export_web(args.model, args.output, loss=args.loss, loss_output=args.loss_output,
+                         target_name=args.target or "target", optimizer=args.optimizer, lr=args.lr,
+                         requires_grad=args.weights, frozen_params=args.frozen or (),
+                         max_grad_norm=args.max_grad_norm)
+    print(f"wrote {len(written)} files to {args.output}: {', '.join(Path(p).name for p in written.values())}")
+    print(f"train them with: node examples/train.mjs {args.output}  (gradbuilder-train.mjs: {_web_module()})")
+    return 0
+
+
+def _web_module() -> str:
+    from .webdemo import WEB
+
+    return str(WEB / "gradbuilder-train.mjs")
+
+
+def _cmd_web_demo(args) -> int:
+    import tempfile
+
+    from . import webdemo
+
+    if not args.output and not args.serve:
+        raise InvalidArgumentError("web-demo: give -o DIR (the folder to write), --serve, or both")
+    directory = webdemo.write(args.output or tempfile.mkdtemp(prefix="gradbuilder-web-demo-"), args.ort_web)
+    print(f"wrote the demo to {directory}")
+    if args.serve:
+        try:
+            webdemo.serve(directory, args.port)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def _stopped(args, session, signum: int, seen: int) -> int:
     """Training stopped by ``signum`` after ``seen`` batches: save the checkpoint if asked."""
     name = signal.Signals(signum).name
@@ -564,6 +602,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
     _common(p)
     p.set_defaults(fn=_cmd_artifacts)
+
+    p = sub.add_parser("export-web", help="write what a JavaScript program needs to train the model with "
+                                          "onnxruntime-web or onnxruntime-node")
+    p.add_argument("model", help="path of the forward ONNX model")
+    p.add_argument("--loss", help="append a loss: crossentropy, nll, mse, l1, bcewithlogits "
+                                  "(default: the model's first output is the loss)")
+    p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
+    p.add_argument("--target", help="with --loss: name of its target input (default target)")
+    p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="the learning rate the manifest starts with "
+                                                                    "(default 1e-3)")
+    p.add_argument("--max-grad-norm", type=_positive_float, help="clip gradients to this global L2 norm")
+    p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
+    p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
+    p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
+    _common(p)
+    p.set_defaults(fn=_cmd_export_web)
+
+    p = sub.add_parser("web-demo", help="write (and serve) a page that trains a digit classifier in the browser")
+    p.add_argument("-o", "--output", help="the folder to write (default: a temporary one, with --serve)")
+    p.add_argument("--serve", action="store_true", help="serve the folder on localhost with Python's http.server")
+    p.add_argument("--port", type=_integer(0), default=8000, help="with --serve (default 8000; 0: any free port)")
+    p.add_argument("--ort-web", help="onnxruntime-web's dist folder (default: node_modules/onnxruntime-web/dist "
+                                     "here or above)")
+    _common(p)
+    p.set_defaults(fn=_cmd_web_demo)
 
     p = sub.add_parser("ops", help="list the registered gradient rules")
     _common(p)

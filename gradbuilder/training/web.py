@@ -1,0 +1,196 @@
+"""Training artifacts for JavaScript: what ``gradbuilder-train.mjs`` (shipped in
+``gradbuilder/web``) needs to train a model with stock onnxruntime-web or onnxruntime-node.
+
+``export_web(model, directory, ...)`` writes:
+
+- ``training_model.onnx``: one step (forward, backward, optimizer) of the graph interface of
+  ``training.graph`` (state inputs ``X`` with outputs ``X.updated``, ``Learning_Rate``), the
+  weights and running statistics as inputs without initializers (the state file holds them);
+- ``eval_model.onnx``: the forward in inference form, reading the same state inputs;
+- ``inference_model.onnx`` and ``inference_model.onnx.data``: the model for inference, its
+  initializers in the data file (ONNX external data) at offsets the manifest lists, so that a
+  program writes the trained weights into a copy of the data file without an ONNX writer;
+- ``state.safetensors``: the initial state (weights, optimizer states, ``Step``, running
+  statistics): safetensors, a JSON header and raw little-endian tensors, read in a few lines;
+- ``manifest.json``: what each graph reads and returns, the state pairs, the loss, the
+  learning-rate input and the inference model's weights.
+
+The models are stamped with the lowest IR version that holds them, so that older runtimes
+(onnxruntime-web in a browser) load them too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .. import compat, files
+from ..compiler import modelio
+from ..errors import InvalidArgumentError
+from ..interface import ALL_FINITE, LEARNING_RATE, STEP, updated
+
+FORMAT = "gradbuilder-web/1"
+NAMES = ("training_model.onnx", "eval_model.onnx", "inference_model.onnx", "inference_model.onnx.data",
+         "state.safetensors", "manifest.json")
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16",
+              np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int8): "I8",
+              np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+_ORT_TYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "I64": "int64", "I32": "int32", "I8": "int8",
+              "U8": "uint8", "BOOL": "bool"}
+
+
+def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, loss_output: str | None = None,
+               target_name: str = "target", optimizer: str = "adamw", optimizer_options: dict | None = None,
+               lr: float = 1e-3, requires_grad: Sequence[str] | None = None, frozen_params: Sequence[str] = (),
+               max_grad_norm: float | None = None, base_dir=None) -> dict[str, str]:
+    """Write the JavaScript training artifacts of ``model`` (bytes, path or ModelProto, never
+    modified) into ``directory`` (see the module docstring); returns {name: path}. ``loss``
+    appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to ``loss_output``
+    reading the new input ``target_name``; without it the model's first output is the loss.
+    ``lr`` is the learning rate the manifest starts with. Nothing is written unless every
+    artifact builds."""
+    from .artifacts import _check_artifact_paths, _plain_optimizer
+    from .graph import eval_model, from_parameters, state_interface
+    from .loss import append_loss
+    from .params import TrainingParameters
+    from ..compiler.passes.running_stats import buffers_of
+
+    if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr >= 0):
+        raise InvalidArgumentError(f"lr must be a finite number >= 0, got {lr!r}")
+    plain = _plain_optimizer(optimizer)
+    directory = _check_artifact_paths(directory, {n: n for n in NAMES})
+    proto = modelio.load_proto(model, base_dir)
+    compat.check_for_runtime(proto)
+    if loss is not None:
+        proto = append_loss(proto, loss, loss_output or proto.graph.output[0].name, target_name=target_name,
+                            loss_name="loss")
+    loss_name = "loss" if loss is not None else proto.graph.output[0].name
+    params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=plain,
+                                enable_grad_norm_clip=max_grad_norm is not None)
+    if requires_grad is not None:
+        if isinstance(requires_grad, str):
+            raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
+        params.weights_to_train = list(requires_grad)
+    if frozen_params:
+        params.weights_not_to_train = list(frozen_params)
+    builder = from_parameters(proto, params)
+    weights, buffers = builder.weights, buffers_of(proto)
+    attributes = dict(optimizer_options or {})
+    if max_grad_norm is not None:
+        attributes["max_norm_clip"] = max_grad_norm
+    if attributes:
+        params.optimizer_attributes_map = {w: attributes for w in weights}
+        builder = from_parameters(proto, params)
+    builder._warn_about_model = False
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    state = {**builder.initial_state({w: inits[w] for w in weights}), **{n: inits[n] for n in weights + buffers}}
+
+    training = builder.build().model_proto
+    modelio.weights_as_inputs(training, weights + buffers)
+    evaluation = eval_model(proto)
+    modelio.weights_as_inputs(evaluation, weights + buffers)
+    pairs = state_interface(training)
+    keep = [o.name for o in proto.graph.output if o.name != loss_name] or [loss_name]
+    for m in (training, evaluation):
+        _lowest_ir(m)
+
+    manifest = {
+        "format": FORMAT,
+        "loss": loss_name,
+        "learning_rate": {"input": LEARNING_RATE, "value": float(lr)},
+        "step": STEP,
+        "all_finite": ALL_FINITE,
+        "optimizer": {"name": builder.optimizer, "options": _jsonable(builder.optimizer_options),
+                      "max_grad_norm": max_grad_norm},
+        "state": [{"input": i, "output": o, **_spec(state[i])} for i, o in pairs],
+        "training": _signature(training, {i for i, _ in pairs} | {LEARNING_RATE}),
+        "eval": _signature(evaluation, set(weights) | set(buffers)),
+        "weights": list(weights),
+        "buffers": list(buffers),
+    }
+    with files.output_directory(directory, what="artifact directory"), \
+            files.atomic_write(*(directory / n for n in NAMES), what="web artifacts") as temps:
+        tmp = dict(zip(NAMES, temps))
+        onnx.save(training, tmp["training_model.onnx"])
+        onnx.save(evaluation, tmp["eval_model.onnx"])
+        manifest["inference"] = _inference(proto, keep, tmp["inference_model.onnx"],
+                                           tmp["inference_model.onnx.data"], set(weights) | set(buffers))
+        with open(tmp["state.safetensors"], "wb") as f:
+            f.write(safetensors_bytes({n: state[n] for n, _ in pairs}))
+        with open(tmp["manifest.json"], "w") as f:
+            json.dump(manifest, f, indent=1)
+    return {n: str(directory / n) for n in NAMES}
+
+
+def _lowest_ir(proto: onnx.ModelProto) -> None:
+    """Stamp the lowest IR version that holds ``proto``'s opsets and types."""
+    by_opset = onnx.helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
+    proto.ir_version = max(by_opset, compat.needed_ir_version(proto)[0])
+
+
+def _spec(value) -> dict:
+    a = np.asarray(value)
+    return {"dtype": _ORT_TYPES[_ST_DTYPES[a.dtype]], "shape": list(a.shape)}
+
+
+def _signature(proto: onnx.ModelProto, given: set[str]) -> dict:
+    """The graph's data inputs (what a program feeds: not ``given``) and outputs."""
+    def info(v):
+        t = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+        return {"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims}
+
+    return {"inputs": [info(i) for i in proto.graph.input if i.name not in given],
+            "outputs": [o.name for o in proto.graph.output if not o.name.endswith(updated(""))]}
+
+
+def _inference(proto: onnx.ModelProto, keep: list[str], model_path, data_path, trained: set[str]) -> dict:
+    """The inference model with every initializer in one external data file; the manifest's
+    entry: the data file's name and where each trained tensor lies in it."""
+    import tempfile
+
+    from .artifacts import export_model_for_inferencing
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = os.path.join(tmp, "inference.onnx")
+        export_model_for_inferencing(proto, plain, keep)
+        model = onnx.load(plain)
+    _lowest_ir(model)
+    data_name = "inference_model.onnx.data"
+    tensors, offset = [], 0
+    with open(data_path, "wb") as data:
+        for t in model.graph.initializer:
+            value = numpy_helper.to_array(t)
+            raw = value.astype(value.dtype.newbyteorder("<")).tobytes()
+            pad = (-offset) % 64  # aligned, as onnx's external-data writer aligns large tensors
+            data.write(b"\0" * pad)
+            offset += pad
+            data.write(raw)
+            if t.name in trained:
+                tensors.append({"name": t.name, "offset": offset, "length": len(raw), **_spec(value)})
+            onnx.external_data_helper.set_external_data(t, data_name, offset, len(raw))
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                t.ClearField(field)
+            offset += len(raw)
+    onnx.save(model, model_path)
+    return {"model": "inference_model.onnx", "data": data_name, "outputs": keep, "tensors": tensors,
+            "inputs": _signature(model, set())["inputs"]}
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
+    """``tensors`` in the safetensors format (what ``safetensors.numpy.save`` writes; 0-d
+    tensors included), in the given order."""
+    from safetensors.numpy import save
+
+    return save({n: np.ascontiguousarray(v) for n, v in tensors.items()})
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
