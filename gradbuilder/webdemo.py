@@ -89,8 +89,9 @@ def write(directory: str | os.PathLike, ort_web: str | os.PathLike | None = None
     return directory
 
 
-def serve(directory: Path, port: int) -> None:
-    """Serve ``directory`` on localhost until interrupted."""
+def server(directory: Path, port: int = 0):
+    """An http.server for ``directory`` on localhost (``port`` 0: a free one), not yet serving;
+    ``.mjs`` and ``.wasm`` go out with the types browsers require of modules and WebAssembly."""
     import http.server
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -103,6 +104,11 @@ def serve(directory: Path, port: int) -> None:
         def log_message(self, *args):  # quiet: the page's requests are not news
             pass
 
-    with http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler) as httpd:
+    return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+
+def serve(directory: Path, port: int) -> None:
+    """Serve ``directory`` on localhost until interrupted."""
+    with server(directory, port) as httpd:
         print(f"open http://127.0.0.1:{httpd.server_address[1]}/ (Ctrl-C stops)", flush=True)
         httpd.serve_forever()

@@ -189,7 +189,7 @@ def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
     tensors included), in the given order."""
     from safetensors.numpy import save
 
-    return save({n: np.ascontiguousarray(v) for n, v in tensors.items()})
+    return save({n: np.array(v, order="C") for n, v in tensors.items()})  # (ascontiguousarray makes 0-d 1-d)
 
 
 def _jsonable(options: dict) -> dict:
