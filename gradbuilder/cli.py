@@ -570,6 +570,21 @@ def _common(p: argparse.ArgumentParser, progress: bool = False, top: bool = Fals
                        help="show the progress bar (default: only when stderr is a terminal)")
 
 
+def _artifact_arguments(p) -> None:
+    """What ``artifacts`` and ``export-web`` share: the model, its loss, the optimizer, the
+    weights and the output directory."""
+    p.add_argument("model", help="path of the forward ONNX model")
+    p.add_argument("--loss", help="append a loss: crossentropy, nll, mse, l1, bcewithlogits "
+                                  "(default: the model's first output is the loss)")
+    p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
+    p.add_argument("--target", help="with --loss: name of its target input (default target)")
+    p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
+    p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
+    p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
+    p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
+    _common(p)
+
+
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="gradbuilder", description="Gradient graphs for ONNX models, trained on stock onnxruntime.",
                   epilog="Exit status: 0 done, 1 a failure while working, 2 a usage error, 130/143 training "
@@ -591,33 +606,15 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_build)
 
     p = sub.add_parser("artifacts", help="write training, eval and optimizer models and a checkpoint")
-    p.add_argument("model", help="path of the forward ONNX model")
-    p.add_argument("--loss", help="append a loss: crossentropy, nll, mse, l1, bcewithlogits "
-                                  "(default: the model's first output is the loss)")
-    p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
-    p.add_argument("--target", help="with --loss: name of its target input (default target)")
-    p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
-    p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
-    p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
-    p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
-    _common(p)
+    _artifact_arguments(p)
     p.set_defaults(fn=_cmd_artifacts)
 
     p = sub.add_parser("export-web", help="write what a JavaScript program needs to train the model with "
                                           "onnxruntime-web or onnxruntime-node")
-    p.add_argument("model", help="path of the forward ONNX model")
-    p.add_argument("--loss", help="append a loss: crossentropy, nll, mse, l1, bcewithlogits "
-                                  "(default: the model's first output is the loss)")
-    p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
-    p.add_argument("--target", help="with --loss: name of its target input (default target)")
-    p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
+    _artifact_arguments(p)
     p.add_argument("--lr", type=_positive_float, default=1e-3, help="the learning rate the manifest starts with "
                                                                     "(default 1e-3)")
     p.add_argument("--max-grad-norm", type=_positive_float, help="clip gradients to this global L2 norm")
-    p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
-    p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
-    p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
-    _common(p)
     p.set_defaults(fn=_cmd_export_web)
 
     p = sub.add_parser("web-demo", help="write (and serve) a page that trains a digit classifier in the browser")
