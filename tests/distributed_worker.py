@@ -64,10 +64,39 @@ def main() -> None:
     state = sess.get_model_state()["full_precision"]
     optimizer = sess.get_optimizer_state()
     flat = {f"w/{n}": v for n, v in state.items()}
+    if cfg.get("torch_ddp"):  # the same training with torch's DistributedDataParallel, in this group
+        flat.update(torch_ddp(cfg, data, rank, world))
     flat.update({f"o/{w}/{s}": v for w, states in optimizer.items() for s, v in states.items()})
     np.savez(os.path.join(cfg["out"], f"rank{rank}.npz"), losses=np.array(losses), **flat)
     with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
         json.dump({"partition": sess.get_partition_info_map(), "step": sess.step}, f)
+
+
+def torch_ddp(cfg: dict, data: dict, rank: int, world: int) -> dict:
+    """DistributedDataParallel (broadcast_buffers) over tests/test_running_stats.CNN from the
+    state dict ``cfg["torch_ddp"]``, SGD with the session's learning rate, on the same shards:
+    {"t/losses": ..., "t/<name>": parameter or buffer}."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.test_running_stats import CNN
+
+    module = CNN()
+    module.load_state_dict(torch.load(cfg["torch_ddp"]))
+    ddp = DistributedDataParallel(module, broadcast_buffers=True)
+    opt = torch.optim.SGD(module.parameters(), lr=cfg["lr"])
+    losses = []
+    for step in range(next(iter(data.values())).shape[0]):
+        x, y = (torch.from_numpy(np.array_split(data[n][step], world)[rank]) for n in ("x", "y"))
+        opt.zero_grad()
+        loss, _ = ddp(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    out = {f"t/{n}": v.detach().numpy() for n, v in module.state_dict().items()}
+    out["t/losses"] = np.array(losses)
+    return out
 
 
 if __name__ == "__main__":

@@ -201,6 +201,26 @@ def test_transformer_data_parallel_launched_by_mpirun(tmp_path):
     check_against(launch(tmp_path, model, params, data, 2, launcher="mpirun"), one_process(model, params, data))
 
 
+def test_batchnorm_running_statistics_follow_distributed_data_parallel(tmp_path):
+    """Against torch's DistributedDataParallel (broadcast_buffers=True) in the same two
+    processes: each rank's losses, the weights, and each rank's running statistics (rank 0's
+    broadcast before every forward, then updated from the rank's own shard)."""
+    from .test_running_stats import BUFFERS, batch_at, cnn_bytes, new_cnn
+
+    torch.save(new_cnn().state_dict(), tmp_path / "cnn.pt")
+    batches = [batch_at(i, 8) for i in range(6)]
+    data = {"x": np.stack([b[0] for b in batches]), "y": np.stack([b[1] for b in batches])}
+    ranks = launch(tmp_path, onnx.load_from_string(cnn_bytes()), params_dict(training_optimizer_name="sgd"), data, 2,
+                   torch_ddp=str(tmp_path / "cnn.pt"))
+    for r in ranks:
+        a = r["arrays"]
+        assert_close(r["losses"], a["t/losses"], "losses")
+        for name in [k[2:] for k in a if k.startswith("w/")]:
+            assert_close(a[f"w/{name}"], a[f"t/{name}"], name)
+    for b in BUFFERS:  # the ranks' statistics differ: each saw its own shard last
+        assert not np.array_equal(ranks[0]["arrays"][f"w/{b}"], ranks[1]["arrays"][f"w/{b}"])
+
+
 # ---------------------------------------------------------------------------- ZeRO
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_equals_data_parallel_with_its_state_partitioned(tmp_path, stage):
