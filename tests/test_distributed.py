@@ -310,6 +310,23 @@ def test_bad_cuts_are_refused_before_any_step(tmp_path, cuts, message):
     assert not (tmp_path / "never.ckpt").exists()
 
 
+@pytest.mark.parametrize("options", [dict(allreduce_post_accumulation=True), dict(deepspeed_zero_stage=2),
+                                     dict(deepspeed_zero_stage=1, allreduce_post_accumulation=True)],
+                         ids=["post-accumulation", "zero2", "zero1-post"])
+def test_a_checkpoint_in_the_middle_of_an_accumulation_resumes_in_one_process(tmp_path, options):
+    """Mid-accumulation, each rank holds its share of the accumulated gradients (or its owned
+    part of them): the checkpoint holds what one process on the whole batches would."""
+    model, data = mlp_model(), mlp_data(7)
+    ckpt = tmp_path / "mid.ckpt"
+    launch(tmp_path / "a", model, params_dict(gradient_accumulation_steps=2, **options),
+           {n: v[:3] for n, v in data.items()}, 2, checkpoint_at=3, checkpoint=str(ckpt))
+    accumulated = params_dict(gradient_accumulation_steps=2)
+    resumed = one_process(model, accumulated, {n: v[3:] for n, v in data.items()}, resume=str(ckpt))
+    whole = one_process(model, accumulated, data)
+    for k in whole["arrays"]:
+        assert_close(resumed["arrays"][k], whole["arrays"][k], k)
+
+
 # ---------------------------------------------------------------------------- failures
 def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
     model, data = mlp_model(), mlp_data(6)

@@ -415,15 +415,17 @@ class DataParallel:
         if self.zero:
             self.norm_comm = self.comm
         self._check_same(session, params)
-        from ..interface import state_of
+        from ..interface import grad_accum, state_of
 
         held = set(weights)
         for w in session.weights:  # other pipeline stages' weights and states live there alone
             if w not in held:
                 self.elsewhere.update([w] + [state_of(w, s) for s in session._builder.state_names_of(w)])
-        for w in weights:  # the optimizer state of the weights other replicas own (ZeRO)
-            if w not in self.owned:
+        for w in weights:  # the optimizer state of the weights other replicas own (ZeRO), and
+            if w not in self.owned:  # their accumulated gradients where those are reduced to the owner
                 self.elsewhere.update(state_of(w, s) for s in session._builder.state_names_of(w))
+                if not self.post and grad_accum(w) in session._state:
+                    self.elsewhere.add(grad_accum(w))
         for name in self.elsewhere:
             del session._state.values[name]
         self.comm.broadcast(self.comm.ranks[0], [self._view(n) for n in weights + session.buffers],
@@ -493,7 +495,7 @@ class DataParallel:
             groups: list[tuple] = []
             for w in self.weights:
                 spec = specs[w]
-                key = (self.owner[w] if self.zero >= 2 else None, spec.dtype)
+                key = (self.owner[w] if self.zero else None, spec.dtype)
                 size = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
                 if not groups or groups[-1][0] != key or groups[-1][2] + size > BUCKET_BYTES:
                     groups.append((key, [], 0))
@@ -513,8 +515,9 @@ class DataParallel:
         return self._flat
 
     def reduce(self, grads: dict) -> dict:
-        """The gradients averaged across the replicas: all of them, or with ZeRO 2 the ones
-        this replica owns (the others are dropped). Gradients in the flat buckets are reduced
+        """The gradients averaged across the replicas: all of them, or with ZeRO the ones this
+        replica owns, each reduced to its owner alone (as a reduce-scatter: the owner's update
+        needs no other; the others are dropped). Gradients in the flat buckets are reduced
         there; others (accumulation buffers) in buckets of their own."""
         from .dlpack import to_torch
 
@@ -525,12 +528,12 @@ class DataParallel:
                     self.comm.average([flat])
                 else:
                     self.comm.reduce_to(owner, [flat])
-        elif self.zero < 2:
+        elif not self.zero:
             self.comm.average([to_torch(grads[w]) for w in self.weights])
         else:
             for owner in self.comm.ranks:
                 self.comm.reduce_to(owner, [to_torch(grads[w]) for w in self.weights if self.owner[w] == owner])
-        return grads if self.zero < 2 else {w: grads[w] for w in self.owned}
+        return {w: grads[w] for w in self.owned}
 
     def add(self, into: dict, grads: dict) -> None:
         """``into[w] += grads[w]`` in place (``into`` takes a copy where it has none: the next
@@ -633,6 +636,12 @@ class DataParallel:
         weights other ranks own or train, for one ordinary checkpoint."""
         import torch
 
+        if self.post:  # each replica's accumulated gradients are its share: the checkpoint holds their mean
+            from ..interface import GRAD_ACCUM
+
+            partial = [n for n in tensors if n.endswith((GRAD_ACCUM, ".grad"))]
+            self.comm.average([torch.from_numpy(tensors[n]) for n in partial],
+                              "averaging the accumulated gradients for the checkpoint")
         comm = self.world_comm
         first = comm.ranks[0]
         listing = comm.agree({n: (v.dtype.str, v.shape) for n, v in tensors.items()}, what)
