@@ -394,3 +394,15 @@ def test_cli_trains_data_parallel_in_n_processes(tmp_path):
     bad = subprocess.run(common + ["--batch-size", "7", "--nproc-per-node", "2"], capture_output=True, text=True,
                          timeout=TIMEOUT_S, env=env)
     assert bad.returncode != 0 and "must be divisible by the 2 processes" in bad.stderr
+
+
+def test_each_process_takes_its_own_gpu_unless_told(monkeypatch):
+    from gradbuilder.runtime.distributed import one_device_per_process
+
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    assert one_device_per_process([cuda, cpu], [{}, {}]) == [{"device_id": "1"}, {}]
+    assert one_device_per_process([cuda, cpu], [{"device_id": "3"}, {}]) == [{"device_id": "3"}, {}]
+    assert one_device_per_process([cpu], [{}]) == [{}]

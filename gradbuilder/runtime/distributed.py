@@ -161,10 +161,27 @@ def _destroy() -> None:
 
 
 def local_rank() -> int:
+    """This process's index on its machine (torchrun's LOCAL_RANK, mpirun's local rank), 0 if unknown."""
     for key in _LOCAL_RANK:
         if key in os.environ:
             return int(os.environ[key])
     return 0
+
+
+def one_device_per_process(providers: list[str], options: list[dict]) -> list[dict]:
+    """The provider options with CUDA on this process's own GPU (its local rank, modulo the
+    GPUs there are) where the caller did not choose a ``device_id``: NCCL needs one GPU per
+    process, and CUDA's default is the first for all."""
+    from .providers import CUDA
+
+    out = [dict(o) for o in options]
+    for name, o in zip(providers, out):
+        if name == CUDA and "device_id" not in o:
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+            o["device_id"] = str(local_rank() % max(count, 1))
+    return out
 
 
 class Collectives:

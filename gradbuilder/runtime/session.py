@@ -90,6 +90,9 @@ class TrainingSession:
         initial = {**self._builder.initial_state(values), **values}
         self._sess_options = sess_options or _default_session_options()
         names, options = _resolve_providers(providers, provider_options)
+        topo = distributed.topology(self._params)  # checked before anything is placed on a device
+        if topo is not None:
+            options = distributed.one_device_per_process(names, options)
         device = _providers.device_of(names, options)
         self._check_precision(device)
         self._state = StateStore(initial, device)
@@ -113,7 +116,6 @@ class TrainingSession:
         self.properties: dict[str, int | float | str] = {}
         self._on_nonfinite = self._params.on_nonfinite_step
         self._dist = None  # distributed.DataParallel when launched as one of several processes
-        topo = distributed.topology(self._params)
         if topo is not None:
             distributed.init_process_group(device)
             if topo.stages == 1:
