@@ -7,8 +7,9 @@ micro-batch and writes what it saw to ``<out>/rank<r>.npz``.
 CONFIG: model (path), params (TrainingParameters.to_dict()), lr, data (npz with arrays
 [steps, global batch, ...] per input), mode ("run" or "stepwise"), and optionally
 "checkpoint_at" / "checkpoint" (save after that many steps), "resume" (a checkpoint to load
-first), "die_at" (this rank kills itself at that step: "die_rank"), "bad_feed_at" (this rank
-feeds a wrongly shaped batch at that step: "bad_rank"), "out".
+first), "die_at" (this rank kills itself at that step: "die_rank"), "raise_at" (the program
+raises on "raise_rank"), "bad_feed_at" (this rank feeds a wrongly shaped batch at that step:
+"bad_rank"), "torch_ddp" (also train torch's DDP from that state dict), "out".
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
             feeds[name] = part
         if cfg.get("die_at") == step and rank == cfg.get("die_rank"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("raise_at") == step and rank == cfg.get("raise_rank"):
+            raise RuntimeError("the user's program failed on this rank")
         if cfg.get("bad_feed_at") == step and rank == cfg.get("bad_rank"):
             feeds = {n: v[:-1] for n, v in feeds.items()}
         if cfg["mode"] == "run":

@@ -337,6 +337,15 @@ def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
     assert out[0]["code"] != 0 and "DistributedError" in out[0]["stderr"] and "rank 1 died" in out[0]["stderr"]
 
 
+def test_a_rank_whose_program_raises_fails_the_others_naming_it(tmp_path):
+    start = time.monotonic()
+    out = launch(tmp_path, mlp_model(), params_dict(), mlp_data(6), 2, expect_failure=True, raise_at=2, raise_rank=1)
+    assert time.monotonic() - start < 90
+    assert "the user's program failed" in out[1]["stderr"]
+    assert out[0]["code"] != 0 and "DistributedError" in out[0]["stderr"]
+    assert "rank 1 raised RuntimeError: the user's program failed on this rank" in out[0]["stderr"]
+
+
 def test_a_rank_with_another_batch_shape_is_refused_on_every_rank(tmp_path):
     model, data = mlp_model(), mlp_data(4)
     out = launch(tmp_path, model, params_dict(), data, 2, expect_failure=True, bad_feed_at=2, bad_rank=1)

@@ -203,8 +203,17 @@ class Collectives:
 
     # -- who failed
     def announce(self) -> None:
-        """Leave this process's host and pid in the store, for the others' failure messages."""
+        """Leave this process's host and pid in the store, and from now on its uncaught
+        exception, for the others' failure messages."""
         self._set(f"gradbuilder/pid/{self.topo.rank}", f"{socket.gethostname()}:{os.getpid()}")
+        previous = sys.excepthook
+
+        def hook(kind, exc, tb):
+            if not isinstance(exc, DistributedError):  # (that one names another rank's failure)
+                self.raised(exc)
+            previous(kind, exc, tb)
+
+        sys.excepthook = hook
 
     def raised(self, exc: BaseException) -> None:
         """Leave this process's error in the store before it propagates."""
@@ -220,24 +229,32 @@ class Collectives:
     def failure(self, what: str, exc: BaseException) -> DistributedError:
         me = self.topo.rank
         others = [r for r in range(self.topo.world) if r != me]
-        said, dead = [], []
-        if self._store is None:
-            said.append("the group's store is unreachable")
-        else:
-            for r in others:
-                try:
-                    if self._store.check([f"gradbuilder/error/{r}"]):
-                        said.append(f"rank {r} raised {self._store.get(f'gradbuilder/error/{r}').decode()}")
-                    elif self._store.check([f"gradbuilder/pid/{r}"]) and _gone(self._store.get(f"gradbuilder/pid/{r}").decode()):
-                        dead.append(r)
-                except Exception:  # noqa: BLE001 - rank 0 holds the store: it is gone
-                    said = ["rank 0 (which holds the group's store) is gone"]
-                    break
-        if dead:
-            said.append(f"rank {', '.join(map(str, dead))} died")
+        said: list[str] = []
+        for _ in range(20):  # a failing rank may still be on its way out: look again for 2 s
+            said = self._who(others)
+            if said:
+                break
+            time.sleep(0.1)
         cause = "; ".join(said) if said else "a rank died, raised or did not answer in time"
         return DistributedError(f"rank {me}: {what} failed: {cause} ({type(exc).__name__}: {str(exc)[:300]}); "
                                 f"timeout {timeout_seconds():g} s ({TIMEOUT_ENV})")
+
+    def _who(self, others: list[int]) -> list[str]:
+        """What the store says of the other ranks: who raised what, who has died."""
+        if self._store is None:
+            return ["the group's store is unreachable"]
+        said, dead = [], []
+        for r in others:
+            try:
+                if self._store.check([f"gradbuilder/error/{r}"]):
+                    said.append(f"rank {r} raised {self._store.get(f'gradbuilder/error/{r}').decode()}")
+                elif self._store.check([f"gradbuilder/pid/{r}"]) and _gone(self._store.get(f"gradbuilder/pid/{r}").decode()):
+                    dead.append(r)
+            except Exception:  # noqa: BLE001 - rank 0 holds the store: it is gone
+                return ["rank 0 (which holds the group's store) is gone"]
+        if dead:
+            said.append(f"rank {', '.join(map(str, dead))} died")
+        return said
 
     def _call(self, what: str, fn, *args, **kwargs):
         start = time.perf_counter()
