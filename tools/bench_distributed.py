@@ -15,7 +15,7 @@ step, samples/s, the scaling efficiency (samples/s over the single process's: th
 cores used two ways) and the share of rank 0's step spent in collectives (waiting for the
 other rank included: for the pipeline that is its bubble).
 
-    python tools/bench_distributed.py [--steps 20] [--warmup 3] [--rounds 2] [--micro 4]
+    python tools/bench_distributed.py [--steps 20] [--warmup 3] [--rounds 2] [--micro 4] [--device cuda]
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def child(args) -> None:
         params.num_pipeline_micro_batches = args.micro
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2 if world == 1 else 1
-    sess = TrainingSession(args.model, params, so, providers=["CPUExecutionProvider"])
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
+    sess = TrainingSession(args.model, params, so, providers=providers)  # CUDA: each rank its local GPU
     sess.set_learning_rate(1e-4)
     batch = dict(np.load(args.batch))
     feeds = batch if args.child in ("single", "pipeline") else {n: np.array_split(v, world)[rank] for n, v in batch.items()}
@@ -82,13 +83,14 @@ def launch(mode: str, model: str, batch: str, args) -> dict:
             port = s.getsockname()[1]
         procs = []
         for rank in range(world):
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_RANK": str(rank)}
             if mode == "pair":
                 env.update(BENCH_PAIR_INDEX=str(rank))
             elif world > 1:
                 env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             cmd = [sys.executable, __file__, "--child", mode, "--model", model, "--batch", batch, "--out", out,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(args.micro)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(args.micro),
+                   "--device", args.device]
             procs.append(subprocess.Popen(cmd, env=env))
         for p in procs:
             if p.wait(timeout=600):
@@ -103,6 +105,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4, help="the pipeline's micro-batches (default 4)")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: one GPU per process (NCCL), by local rank; needs as many GPUs as processes")
     ap.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--batch", help=argparse.SUPPRESS)

@@ -7,7 +7,8 @@
 # CUDA tests (tests/test_cuda.py: TrainingSession, float16 and bfloat16 mixed precision,
 # ORTModule with CUDA tensors) and, where a GPU is usable, the benchmarks with --device cuda
 # (bench_train: TrainingSession against PyTorch; bench_ortmodule: ORTModule against PyTorch;
-# bench_memory measures peak resident memory and has no CUDA mode). Everything goes to the
+# bench_memory measures peak resident memory and has no CUDA mode; bench_distributed with NCCL
+# where there are two GPUs or more). Everything goes to the
 # screen and to REPORT. On a machine without a GPU it checks only that the CUDA paths say so
 # clearly. Exits non-zero when a test or a benchmark failed.
 set -uo pipefail
@@ -45,6 +46,14 @@ if [ "$gpu" = "1" ]; then
     echo
     echo "## bench_ortmodule --device cuda"
     $py tools/bench_ortmodule.py --device cuda || status=1
+    gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+    echo
+    if [ "$gpus" -ge 2 ]; then
+        echo "## bench_distributed --device cuda (NCCL, one GPU per process)"
+        $py tools/bench_distributed.py --device cuda || status=1
+    else
+        echo "## bench_distributed: $gpus GPU here; NCCL needs one GPU per process (2 or more)"
+    fi
 else
     echo "## benchmarks: no usable CUDA GPU here; --device cuda answers:"
     $py tools/bench_train.py --device cuda --models mlp 2>&1 | tail -1
