@@ -185,6 +185,28 @@ def test_onnxruntime_node_trains_as_python_does(tmp_path, name):
                                atol=1e-6)
 
 
+def test_node_state_round_trip_and_eval_step(tmp_path):
+    """saveState / loadState carry the training on exactly; a state of another shape is
+    refused; evalStep gives what Python's onnxruntime gives from the same state."""
+    need_node()
+    model, data = mlp(), data_for("mlp")
+    export(model, "mlp", tmp_path)
+    (tmp_path / "data.safetensors").write_bytes(safetensors_bytes(data))
+    run = subprocess.run(["node", str(Path(__file__).with_name("web") / "state_roundtrip.mjs"), str(tmp_path),
+                          str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["losses"][0] == out["losses"][1] and out["step"] == 3
+    assert "loadState: 'W1' must be float32 [64,64]" in out["refused"]
+    state = load_file(tmp_path / "after.safetensors")
+    evaluation = ort.InferenceSession(str(tmp_path / "eval_model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {i.name: (state[i.name] if i.name in state else data[i.name][24:32]) for i in evaluation.get_inputs()}
+    expected = dict(zip([o.name for o in evaluation.get_outputs()], evaluation.run(None, feeds)))
+    for name, got in out["eval"].items():
+        np.testing.assert_allclose(np.array(got["data"], np.float32).reshape(got["dims"]), expected[name], rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+
+
 # ---------------------------------------------------------------------------- the browser
 def test_chromium_trains_the_web_demo(tmp_path):
     need_node()
