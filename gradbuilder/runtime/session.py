@@ -115,13 +115,15 @@ class TrainingSession:
         # the caller's values saved with each checkpoint (as onnxruntime's CheckpointState.properties)
         self.properties: dict[str, int | float | str] = {}
         self._on_nonfinite = self._params.on_nonfinite_step
-        self._dist = None  # distributed.DataParallel when launched as one of several processes
+        self._dist = None  # a DataParallel (or PipelineParallel) when launched as one of several processes
         if topo is not None:
             distributed.init_process_group(device)
             if topo.stages == 1:
-                self._dist = distributed.DataParallel(self, topo, self._params)
+                from .distributed.data_parallel import DataParallel
+
+                self._dist = DataParallel(self, topo, self._params)
             else:
-                from .pipeline import PipelineParallel
+                from .distributed.pipeline_parallel import PipelineParallel
 
                 whole = onnx.ModelProto()
                 whole.CopyFrom(self._model)

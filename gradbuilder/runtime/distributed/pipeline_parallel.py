@@ -23,10 +23,11 @@ from typing import Mapping
 import numpy as np
 import onnxruntime as ort
 
-from ..compiler import cuts as _cuts
-from ..dtypes import FLOAT_TENSOR_TYPES
-from ..errors import InvalidArgumentError
-from .distributed import DataParallel, Topology, shapes_of
+from ...compiler import cuts as _cuts
+from ...dtypes import FLOAT_TENSOR_TYPES
+from ...errors import InvalidArgumentError
+from .data_parallel import DataParallel, shapes_of
+from .launch import Topology
 
 _HEADER = 9  # a sent tensor's header: its rank and up to 8 sizes
 
@@ -57,7 +58,7 @@ class PipelineParallel(DataParallel):
         self.prev = topo.rank - topo.replicas
         self.next = topo.rank + topo.replicas
         graphs = session._graphs
-        from .runner import compile_graph
+        from ..runner import compile_graph
 
         self.forward = compile_graph(self.split.forward.SerializeToString(), graphs.sess_options, graphs.providers,
                                      graphs.provider_options, graphs.device)
@@ -137,7 +138,7 @@ class PipelineParallel(DataParallel):
     def _forward(self, feeds: dict, pending: list, losses: list) -> dict:
         import torch
 
-        from .dlpack import to_ort, to_torch
+        from ..dlpack import to_ort, to_torch
 
         s = self.s
         env = {n: s._state.ortvalue(feeds[n]) for n in self.stage.inputs if n in self.split.forward_inputs}
@@ -156,7 +157,7 @@ class PipelineParallel(DataParallel):
     def _backward(self, env: dict, pending: list, grads: dict) -> None:
         import torch
 
-        from .dlpack import to_ort, to_torch
+        from ..dlpack import to_ort, to_torch
 
         feeds = {name: env[name] for name in self.split.backward_inputs if name in env}
         if self.last:

@@ -1,0 +1,327 @@
+"""Data parallel and ZeRO stages 1 and 2 between a TrainingSession's gradient graph and its
+optimizer graph: the gradients, written by the graph into flat buckets, are averaged (or
+reduced to their owner) with torch.distributed on DLPack views of the OrtValues, on the
+device they live on; the graphs hold no collective op."""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import numpy as np
+
+from ...errors import DistributedError, InvalidArgumentError
+from .collectives import BUCKET_BYTES, subgroups
+from .launch import Topology
+
+def partition(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
+    """ZeRO's owners: each weight to one of ``ranks``, balanced by bytes (the largest first,
+    each to the least loaded; ties to the lower rank)."""
+    load = [0] * ranks
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(ranks), key=lambda k: (load[k], k))
+        owner[name] = r
+        load[r] += sizes[name]
+    return owner
+
+
+def shapes_of(feeds: Mapping[str, object]) -> dict[str, tuple]:
+    """{input: (dtype, shape)}: what must agree across the replicas of a step."""
+    out = {}
+    for name, value in feeds.items():
+        if hasattr(value, "data_type") and hasattr(value, "shape") and callable(value.shape):
+            out[name] = (value.data_type(), tuple(value.shape()))
+        else:
+            a = np.asarray(value)
+            out[name] = (a.dtype.str, a.shape)
+    return out
+
+
+class DataParallel:
+    """Data parallel and ZeRO for a TrainingSession (``session``): each replica runs the
+    session's gradient graph on its shard of the batch; the gradients are averaged across
+    the replicas (every micro-step, or once per accumulation with
+    ``allreduce_post_accumulation``); the optimizer graph then updates every weight on every
+    replica (plain data parallel: the weights stay bit-identical) or, with ZeRO, each replica
+    only the weights it owns (their optimizer state lives there alone; stage 2 keeps only
+    their gradients too), and the owners broadcast the updated weights."""
+
+    def __init__(self, session, topo: Topology, params, weights: list[str] | None = None):
+        """``weights``: the ones this process trains (a pipeline stage's; default all)."""
+        if params.deepspeed_zero_stage == 3:
+            raise InvalidArgumentError("TrainingParameters.deepspeed_zero_stage=3 (partitioned weights) is not "
+                                       "supported; use 1 (partitioned optimizer state) or 2 (and gradients)")
+        if params.enable_adasum:
+            raise InvalidArgumentError(
+                "TrainingParameters.enable_adasum: Adasum is not supported (torch.distributed has no Adasum reduction, "
+                "and it pays off only at scales far beyond a mean all-reduce's); leave it False: gradients are averaged")
+        if params.use_mixed_precision:
+            raise InvalidArgumentError("TrainingParameters.use_mixed_precision is not supported with distributed "
+                                       "training yet: train in float32, or in one process")
+        self.s, self.topo = session, topo
+        # the stage's replicas (they average gradients), the replica's stages (they sum the
+        # gradients' norm), every rank (checkpoints)
+        self.comm, self.norm_comm, self.world_comm = subgroups(topo)
+        self.comm.announce()
+        self.zero = params.deepspeed_zero_stage
+        self.steps = params.gradient_accumulation_steps
+        # ZeRO 2 keeps only the gradients a replica owns: they are reduced every micro-step
+        self.post = params.allreduce_post_accumulation and self.zero < 2
+        weights = self.weights = list(session.weights if weights is None else weights)
+        sizes = {w: int(np.prod(session._graphs.weight_specs[w].shape)) * session._graphs.weight_specs[w].dtype.itemsize
+                 for w in weights}
+        self.owner = ({w: self.comm.ranks[k] for w, k in partition(sizes, self.comm.size).items()} if self.zero
+                      else {w: None for w in weights})
+        self.owned = [w for w in weights if self.owner[w] in (None, topo.rank)]
+        self.elsewhere: set[str] = set()  # the state other ranks hold (ZeRO; other pipeline stages)
+        self._flat = None  # the gradients' flat buckets, made on the first step
+        # the optimizer updates some of the model's weights: the global norm is summed across ranks
+        self.partial = bool(self.zero) or topo.stages > 1
+        if self.zero:
+            self.norm_comm = self.comm
+        self._check_same(session, params)
+        from ...interface import grad_accum, state_of
+
+        held = set(weights)
+        for w in session.weights:  # other pipeline stages' weights and states live there alone
+            if w not in held:
+                self.elsewhere.update([w] + [state_of(w, s) for s in session._builder.state_names_of(w)])
+        for w in weights:  # the optimizer state of the weights other replicas own (ZeRO), and
+            if w not in self.owned:  # their accumulated gradients where those are reduced to the owner
+                self.elsewhere.update(state_of(w, s) for s in session._builder.state_names_of(w))
+                if not self.post and grad_accum(w) in session._state:
+                    self.elsewhere.add(grad_accum(w))
+        for name in self.elsewhere:
+            del session._state.values[name]
+        self.comm.broadcast(self.comm.ranks[0], [self._view(n) for n in weights + session.buffers],
+                            "broadcasting the initial weights from rank 0")
+        if self.partial:
+            session._graphs.owned = self.owned
+
+    def _view(self, name: str):
+        from ..dlpack import to_torch
+
+        return to_torch(self.s._state[name])
+
+    def _check_same(self, session, params) -> None:
+        mine = (session._fingerprint, self.zero, self.steps, self.post, params.pipeline_parallel_size)
+        seen = self.comm.agree(mine, "checking that every rank trains the same model")
+        differ = [r for r, theirs in zip(self.comm.ranks, seen) if theirs != seen[0]]
+        if differ:
+            raise InvalidArgumentError(
+                f"rank {differ[0]} was given another model, optimizer or options than rank {self.comm.ranks[0]}; every "
+                "rank must construct its TrainingSession from the same model and TrainingParameters")
+
+    # ------------------------------------------------------------------ one micro-step
+    def gradients(self, feeds: Mapping[str, object]) -> tuple[dict, dict]:
+        """The session's gradient graph on this replica's shard: (every output, {weight: its
+        gradient}); the gradients averaged across the replicas unless they wait for the end
+        of the accumulation."""
+        from ...interface import grad_accum, updated
+
+        s = self.s
+        graph = s._graphs["gradients"]
+        state = s._state.take(s.buffers)
+        given = {**state, **s._state.take(s.weights)}
+        error = None
+        try:
+            graph.check_feeds(feeds, given, s._check_labels if s._labels else None)
+        except InvalidArgumentError as exc:
+            error = str(exc)
+        seen = self.comm.agree((error, shapes_of(feeds) if isinstance(feeds, Mapping) else None),
+                               "checking the step's inputs across ranks")
+        for r, (theirs, _) in zip(self.comm.ranks, seen):
+            if theirs is not None:
+                raise InvalidArgumentError(f"rank {r}: {theirs}")
+        if any(shapes != seen[0][1] for _, shapes in seen):
+            listed = "; ".join(f"rank {r}: {shapes}" for r, (_, shapes) in zip(self.comm.ranks, seen))
+            raise InvalidArgumentError(f"the ranks' inputs differ in type or shape ({listed}); every rank feeds a "
+                                       "shard of the same shape (the gradients are averaged with equal weights)")
+        if s.buffers:  # running statistics follow rank 0's, as DistributedDataParallel's broadcast_buffers
+            self.comm.broadcast(self.comm.ranks[0], [self._view(b) for b in s.buffers], "broadcasting the running statistics")
+        into = {updated(grad_accum(w)): v for w, v in self._buckets()[1].items()}
+        results = s._run("gradients", feeds, state, s._state.take(s.weights), into=into)
+        s._state.commit({updated(b): results[updated(b)] for b in s.buffers})
+        grads = {w: results[updated(grad_accum(w))] for w in s.weights}
+        if self.steps == 1 or not self.post:
+            grads = self.reduce(grads)
+        return results, grads
+
+    def _buckets(self) -> tuple[list, dict]:
+        """Flat buffers the gradient graph writes the gradients into (as DDP's gradient-as-
+        bucket views: reduced with no copy), each holding weights of one owner and dtype, up
+        to BUCKET_BYTES: ([(owner, flat torch tensor, [weights])], {weight: its OrtValue view})."""
+        if self._flat is None:
+            import torch
+
+            from ..dlpack import to_ort, to_torch
+
+            specs = self.s._graphs.weight_specs
+            groups: list[tuple] = []
+            for w in self.weights:
+                spec = specs[w]
+                key = (self.owner[w] if self.zero else None, spec.dtype)
+                size = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
+                if not groups or groups[-1][0] != key or groups[-1][2] + size > BUCKET_BYTES:
+                    groups.append((key, [], 0))
+                groups[-1] = (key, groups[-1][1] + [w], groups[-1][2] + size)
+            buckets, views = [], {}
+            for (owner, dtype), names, _ in groups:
+                like = to_torch(self.s._state.ortvalue(np.zeros(0, dtype)))
+                flat = torch.empty(sum(int(np.prod(specs[w].shape, dtype=np.int64)) for w in names), dtype=like.dtype,
+                                   device=like.device)
+                offset = 0
+                for w in names:
+                    n = int(np.prod(specs[w].shape, dtype=np.int64))
+                    views[w] = to_ort(flat[offset: offset + n].view(specs[w].shape))
+                    offset += n
+                buckets.append((owner, flat, names))
+            self._flat = buckets, views
+        return self._flat
+
+    def reduce(self, grads: dict) -> dict:
+        """The gradients averaged across the replicas: all of them, or with ZeRO the ones this
+        replica owns, each reduced to its owner alone (as a reduce-scatter: the owner's update
+        needs no other; the others are dropped). Gradients in the flat buckets are reduced
+        there; others (accumulation buffers) in buckets of their own."""
+        from ..dlpack import to_torch
+
+        buckets, views = self._flat or ([], {})
+        if views and all(grads.get(w) is views[w] for w in self.weights):
+            for owner, flat, _ in buckets:
+                if owner is None:
+                    self.comm.average([flat])
+                else:
+                    self.comm.reduce_to(owner, [flat])
+        elif not self.zero:
+            self.comm.average([to_torch(grads[w]) for w in self.weights])
+        else:
+            for owner in self.comm.ranks:
+                self.comm.reduce_to(owner, [to_torch(grads[w]) for w in self.weights if self.owner[w] == owner])
+        return {w: grads[w] for w in self.owned}
+
+    def add(self, into: dict, grads: dict) -> None:
+        """``into[w] += grads[w]`` in place (``into`` takes a copy where it has none: the next
+        micro-step writes its gradients into the same buckets)."""
+        from ..dlpack import to_ort, to_torch
+
+        for w, g in grads.items():
+            if w in into:
+                to_torch(into[w]).add_(to_torch(g))
+            else:
+                into[w] = to_ort(to_torch(g).clone())
+
+    # ------------------------------------------------------------------ the update
+    def update(self, grads: dict, rate) -> None:
+        """The optimizer step with the (reduced) gradients of the owned weights; with ZeRO the
+        owners then broadcast the new weights. Every replica takes the same decision on a
+        step whose gradients are not finite."""
+        from ...interface import ALL_FINITE, GRADIENT, GRADIENT_SQUARES, LEARNING_RATE, STEP
+        from ..dlpack import to_torch
+
+        s = self.s
+        per_run = {LEARNING_RATE: rate}
+        if self.partial:
+            squares = sum(float(to_torch(grads[w]).double().square().sum()) for w in self.owned)
+            squares = self.norm_comm.sum(squares, "summing the gradients' squared norm")
+            if not np.isfinite(squares):
+                s._check_finite({ALL_FINITE: s._state.ortvalue(np.array(False))})
+                return
+            if s._builder.max_grad_norm is not None:
+                per_run[GRADIENT_SQUARES] = s._state.ortvalue(np.array(squares, np.float32))
+        if self.owned:
+            state = {n: v for n, v in s._state.values.items() if n in s._graphs["optimizer"].inputs}
+            per_run.update({w + GRADIENT: grads[w] for w in self.owned})
+            results = s._run("optimizer", {}, state, per_run)
+            s._check_finite(results)
+            s._state.commit(results)
+        else:  # a replica that owns no weight only counts the step
+            s._state.values[STEP] = s._state.ortvalue(np.array(s.step + 1, np.int64))
+        if self.zero:
+            for owner in self.comm.ranks:
+                self.comm.broadcast(owner, [self._view(w) for w in self.weights if self.owner[w] == owner],
+                                    "broadcasting the updated weights from their owners")
+
+    # ------------------------------------------------------------------ the session's calls
+    def _announced(method):
+        """Leave an error this process raises in the store, for the other ranks' messages."""
+
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except DistributedError:
+                raise
+            except BaseException as exc:
+                self.comm.raised(exc)
+                raise
+        return call
+
+    @_announced
+    def run(self, feeds, rate) -> dict:
+        """``TrainingSession.run``: one micro-step; the update on the last of an accumulation."""
+        from ...interface import ACCUMULATION_STEP, grad_accum
+
+        s = self.s
+        results, grads = self.gradients(feeds)
+        if self.steps == 1:
+            self.update(grads, rate)
+            return results
+        buffers = {w: s._state[grad_accum(w)] for w in self.weights if grad_accum(w) in s._state}
+        self.add(buffers, grads)
+        done = int(s._state[ACCUMULATION_STEP].numpy()) + 1
+        if done < self.steps:
+            s._state.values[ACCUMULATION_STEP] = s._state.ortvalue(np.array(done, np.int64))
+            return results
+        summed = self.reduce(dict(buffers)) if self.post else {w: buffers[w] for w in self.owned}
+        self.update(summed, rate)
+        for w in buffers:
+            s._state.values[grad_accum(w)] = s._state.ortvalue(np.zeros_like(buffers[w].numpy()))
+        s._state.values[ACCUMULATION_STEP] = s._state.ortvalue(np.array(0, np.int64))
+        return results
+
+    @_announced
+    def train_step(self, feeds, reset: bool) -> dict:
+        """``TrainingSession.train_step``: the gradients replace or add to the session's buffers."""
+        s = self.s
+        results, grads = self.gradients(feeds)
+        if reset:
+            s._state.grads = {}
+        self.add(s._state.grads, grads)
+        return results
+
+    @_announced
+    def optimizer_step(self, rate) -> None:
+        grads = self.s._state.grads
+        self.update(self.reduce(dict(grads)) if self.post else grads, rate)
+
+    # ------------------------------------------------------------------ state
+    def gathered(self, tensors: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray] | None:
+        """Every rank's ``tensors`` joined on rank 0 (None on the others): the state of the
+        weights other ranks own or train, for one ordinary checkpoint."""
+        import torch
+
+        if self.post:  # each replica's accumulated gradients are its share: the checkpoint holds their mean
+            from ...interface import GRAD_ACCUM
+
+            partial = [n for n in tensors if n.endswith((GRAD_ACCUM, ".grad"))]
+            self.comm.average([torch.from_numpy(tensors[n]) for n in partial],
+                              "averaging the accumulated gradients for the checkpoint")
+        comm = self.world_comm
+        first = comm.ranks[0]
+        listing = comm.agree({n: (v.dtype.str, v.shape) for n, v in tensors.items()}, what)
+        out = dict(tensors) if self.topo.rank == first else None
+        have = set(listing[0])
+        for r, names in zip(comm.ranks[1:], listing[1:]):
+            for name, (dtype, shape) in names.items():
+                if name in have:
+                    continue
+                have.add(name)
+                if self.topo.rank == r:
+                    comm.send(torch.from_numpy(np.ascontiguousarray(tensors[name])), first, what)
+                elif self.topo.rank == first:
+                    buf = torch.from_numpy(np.empty(shape, np.dtype(dtype)))
+                    comm.recv(buf, r, what)
+                    out[name] = buf.numpy()
+        return out
