@@ -14,6 +14,7 @@ from ...errors import DistributedError, InvalidArgumentError
 from .collectives import BUCKET_BYTES, subgroups
 from .launch import Topology
 
+
 def partition(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
     """ZeRO's owners: each weight to one of ``ranks``, balanced by bytes (the largest first,
     each to the least loaded; ties to the lower rank)."""
@@ -24,6 +25,23 @@ def partition(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
         owner[name] = r
         load[r] += sizes[name]
     return owner
+
+
+def agree_on_inputs(comm, error: str | None, shapes: dict, what: str, digest: int | None = None) -> None:
+    """Every rank of ``comm`` raises the same InvalidArgumentError, naming the rank, when any
+    rank's inputs were refused (``error``), their types or shapes (``shapes_of``) differ, or,
+    with ``digest``, their contents differ (a pipeline's stages are fed one batch)."""
+    seen = comm.agree((error, shapes, digest), f"checking the step's inputs across the {what}")
+    for r, (theirs, _, _) in zip(comm.ranks, seen):
+        if theirs is not None:
+            raise InvalidArgumentError(f"rank {r}: {theirs}")
+    if any(other != seen[0][1] for _, other, _ in seen):
+        listed = "; ".join(f"rank {r}: {other}" for r, (_, other, _) in zip(comm.ranks, seen))
+        raise InvalidArgumentError(f"the ranks' inputs differ in type or shape ({listed}); every rank feeds a batch "
+                                   "of the same shape (the gradients are averaged with equal weights)")
+    if any(d != seen[0][2] for _, _, d in seen):
+        raise InvalidArgumentError(f"the {what} (ranks {comm.ranks}) were fed different batches; feed every stage of "
+                                   "a pipeline the same batch")
 
 
 def shapes_of(feeds: Mapping[str, object]) -> dict[str, tuple]:
@@ -69,8 +87,7 @@ class DataParallel:
         # ZeRO 2 keeps only the gradients a replica owns: they are reduced every micro-step
         self.post = params.allreduce_post_accumulation and self.zero < 2
         weights = self.weights = list(session.weights if weights is None else weights)
-        sizes = {w: int(np.prod(session._graphs.weight_specs[w].shape)) * session._graphs.weight_specs[w].dtype.itemsize
-                 for w in weights}
+        sizes = {w: session._graphs.weight_specs[w].nbytes for w in weights}
         self.owner = ({w: self.comm.ranks[k] for w, k in partition(sizes, self.comm.size).items()} if self.zero
                       else {w: None for w in weights})
         self.owned = [w for w in weights if self.owner[w] in (None, topo.rank)]
@@ -129,15 +146,7 @@ class DataParallel:
             graph.check_feeds(feeds, given, s._check_labels if s._labels else None)
         except InvalidArgumentError as exc:
             error = str(exc)
-        seen = self.comm.agree((error, shapes_of(feeds) if isinstance(feeds, Mapping) else None),
-                               "checking the step's inputs across ranks")
-        for r, (theirs, _) in zip(self.comm.ranks, seen):
-            if theirs is not None:
-                raise InvalidArgumentError(f"rank {r}: {theirs}")
-        if any(shapes != seen[0][1] for _, shapes in seen):
-            listed = "; ".join(f"rank {r}: {shapes}" for r, (_, shapes) in zip(self.comm.ranks, seen))
-            raise InvalidArgumentError(f"the ranks' inputs differ in type or shape ({listed}); every rank feeds a "
-                                       "shard of the same shape (the gradients are averaged with equal weights)")
+        agree_on_inputs(self.comm, error, shapes_of(feeds) if isinstance(feeds, Mapping) else None, "replicas")
         if s.buffers:  # running statistics follow rank 0's, as DistributedDataParallel's broadcast_buffers
             self.comm.broadcast(self.comm.ranks[0], [self._view(b) for b in s.buffers], "broadcasting the running statistics")
         into = {updated(grad_accum(w)): v for w, v in self._buckets()[1].items()}
@@ -160,22 +169,18 @@ class DataParallel:
             specs = self.s._graphs.weight_specs
             groups: list[tuple] = []
             for w in self.weights:
-                spec = specs[w]
-                key = (self.owner[w] if self.zero else None, spec.dtype)
-                size = int(np.prod(spec.shape, dtype=np.int64)) * spec.dtype.itemsize
-                if not groups or groups[-1][0] != key or groups[-1][2] + size > BUCKET_BYTES:
+                key = (self.owner[w] if self.zero else None, specs[w].dtype)
+                if not groups or groups[-1][0] != key or groups[-1][2] + specs[w].nbytes > BUCKET_BYTES:
                     groups.append((key, [], 0))
-                groups[-1] = (key, groups[-1][1] + [w], groups[-1][2] + size)
+                groups[-1] = (key, groups[-1][1] + [w], groups[-1][2] + specs[w].nbytes)
             buckets, views = [], {}
             for (owner, dtype), names, _ in groups:
                 like = to_torch(self.s._state.ortvalue(np.zeros(0, dtype)))
-                flat = torch.empty(sum(int(np.prod(specs[w].shape, dtype=np.int64)) for w in names), dtype=like.dtype,
-                                   device=like.device)
+                flat = torch.empty(sum(specs[w].size for w in names), dtype=like.dtype, device=like.device)
                 offset = 0
                 for w in names:
-                    n = int(np.prod(specs[w].shape, dtype=np.int64))
-                    views[w] = to_ort(flat[offset: offset + n].view(specs[w].shape))
-                    offset += n
+                    views[w] = to_ort(flat[offset: offset + specs[w].size].view(specs[w].shape))
+                    offset += specs[w].size
                 buckets.append((owner, flat, names))
             self._flat = buckets, views
         return self._flat
@@ -262,6 +267,7 @@ class DataParallel:
     def run(self, feeds, rate) -> dict:
         """``TrainingSession.run``: one micro-step; the update on the last of an accumulation."""
         from ...interface import ACCUMULATION_STEP, grad_accum
+        from ..dlpack import to_torch
 
         s = self.s
         results, grads = self.gradients(feeds)
@@ -276,8 +282,8 @@ class DataParallel:
             return results
         summed = self.reduce(dict(buffers)) if self.post else {w: buffers[w] for w in self.owned}
         self.update(summed, rate)
-        for w in buffers:
-            s._state.values[grad_accum(w)] = s._state.ortvalue(np.zeros_like(buffers[w].numpy()))
+        for buffer in buffers.values():  # zeroed in place, on their device
+            to_torch(buffer).zero_()
         s._state.values[ACCUMULATION_STEP] = s._state.ortvalue(np.array(0, np.int64))
         return results
 

@@ -26,7 +26,7 @@ import onnxruntime as ort
 from ...compiler import cuts as _cuts
 from ...dtypes import FLOAT_TENSOR_TYPES
 from ...errors import InvalidArgumentError
-from .data_parallel import DataParallel, shapes_of
+from .data_parallel import DataParallel, agree_on_inputs, shapes_of
 from .launch import Topology
 
 _HEADER = 9  # a sent tensor's header: its rank and up to 8 sizes
@@ -49,8 +49,7 @@ class PipelineParallel(DataParallel):
         if len(cuts) != topo.stages - 1:
             raise InvalidArgumentError(f"TrainingParameters.pipeline_cut_info_string has {len(cuts)} cuts; "
                                        f"pipeline_parallel_size={topo.stages} needs {topo.stages - 1}")
-        self.stages = _cuts.cut_model(model_with_weights, cuts, session.loss_name, session.weights)
-        self.stage = self.stages[topo.stage]
+        self.stage = _cuts.cut_model(model_with_weights, cuts, session.loss_name, session.weights)[topo.stage]
         self.micro = params.num_pipeline_micro_batches
         super().__init__(session, topo, params, self.stage.weights)
         self.split = self.stage.split()
@@ -64,8 +63,6 @@ class PipelineParallel(DataParallel):
                                      graphs.provider_options, graphs.device)
         self.backward = compile_graph(self.split.backward.SerializeToString(), graphs.sess_options, graphs.providers,
                                       graphs.provider_options, graphs.device)
-        inputs = {i.name: i for i in session._model.graph.input}
-        self.types = {n: inputs[n] for n in self.stage.inputs}
         received = {i.name: i.type.tensor_type.elem_type for i in self.stage.model.graph.input}
         self.receive_types = {n: received[n] for n in self.stage.receives}
         self.seeds = {out: seed for seed, out in self.split.seeds.items()}  # sent value -> its seed input
@@ -120,18 +117,8 @@ class PipelineParallel(DataParallel):
         except InvalidArgumentError as exc:
             error, arrays = str(exc), {}
         digest = zlib.crc32(b"".join(np.ascontiguousarray(arrays[n]).tobytes() for n in sorted(arrays)))
-        for comm, what in ((self.norm_comm, "stages"), (self.comm, "replicas")):
-            seen = comm.agree((error, shapes_of(arrays), digest), f"checking the step's inputs across the {what}")
-            for r, (theirs, _, _) in zip(comm.ranks, seen):
-                if theirs is not None:
-                    raise InvalidArgumentError(f"rank {r}: {theirs}")
-            if any(shapes != seen[0][1] for _, shapes, _ in seen):
-                listed = "; ".join(f"rank {r}: {shapes}" for r, (_, shapes, _) in zip(comm.ranks, seen))
-                raise InvalidArgumentError(f"the ranks' inputs differ in type or shape ({listed}); every rank feeds a "
-                                           "batch of the same shape")
-            if what == "stages" and any(d != seen[0][2] for _, _, d in seen):
-                raise InvalidArgumentError(f"the stages of a pipeline (ranks {comm.ranks}) were fed different batches; "
-                                           "feed every stage of a pipeline the same batch")
+        agree_on_inputs(self.norm_comm, error, shapes_of(arrays), "stages of a pipeline", digest)
+        agree_on_inputs(self.comm, error, shapes_of(arrays), "replicas")
         return [{n: np.ascontiguousarray(np.split(a, self.micro)[i]) for n, a in arrays.items()}
                 for i in range(self.micro)]
 
