@@ -390,7 +390,7 @@ class TrainingSession:
 
     def optimizer_step(self) -> None:
         """Update the weights with the accumulated gradients (clipped when the parameters ask)."""
-        if not self._state.grads:
+        if not self._state.grads and (self._dist is None or self._dist.owned):  # (a ZeRO rank may own none)
             raise InvalidArgumentError("optimizer_step before any train_step: there are no gradients yet")
         if self._dist is not None:
             self._dist.optimizer_step(self._lr_ortvalue())

@@ -37,11 +37,8 @@ from ..interface import ALL_FINITE, LEARNING_RATE, STEP, updated
 FORMAT = "gradbuilder-web/1"
 NAMES = ("training_model.onnx", "eval_model.onnx", "inference_model.onnx", "inference_model.onnx.data",
          "state.safetensors", "manifest.json")
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16",
-              np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int8): "I8",
-              np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
-_ORT_TYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "I64": "int64", "I32": "int32", "I8": "int8",
-              "U8": "uint8", "BOOL": "bool"}
+# the element types gradbuilder-train.mjs reads from safetensors and gives onnxruntime's Tensor
+JS_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 
 
 def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, loss_output: str | None = None,
@@ -55,7 +52,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     ``lr`` is the learning rate the manifest starts with. Nothing is written unless every
     artifact builds."""
     from .artifacts import _check_artifact_paths, _plain_optimizer
-    from .graph import eval_model, from_parameters, state_interface
+    from .graph import eval_model, from_parameters, state_interface, weights_of
     from .loss import append_loss
     from .params import TrainingParameters
     from ..compiler.passes.running_stats import buffers_of
@@ -78,14 +75,13 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         params.weights_to_train = list(requires_grad)
     if frozen_params:
         params.weights_not_to_train = list(frozen_params)
-    builder = from_parameters(proto, params)
-    weights, buffers = builder.weights, buffers_of(proto)
+    weights, buffers = weights_of(proto, params), buffers_of(proto)
     attributes = dict(optimizer_options or {})
     if max_grad_norm is not None:
         attributes["max_norm_clip"] = max_grad_norm
     if attributes:
         params.optimizer_attributes_map = {w: attributes for w in weights}
-        builder = from_parameters(proto, params)
+    builder = from_parameters(proto, params, weights=weights)
     builder._warn_about_model = False
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     state = {**builder.initial_state({w: inits[w] for w in weights}), **{n: inits[n] for n in weights + buffers}}
@@ -135,7 +131,10 @@ def _lowest_ir(proto: onnx.ModelProto) -> None:
 
 def _spec(value) -> dict:
     a = np.asarray(value)
-    return {"dtype": _ORT_TYPES[_ST_DTYPES[a.dtype]], "shape": list(a.shape)}
+    if a.dtype.name not in JS_DTYPES:
+        raise InvalidArgumentError(f"a {a.dtype.name} state tensor: gradbuilder-train.mjs reads {', '.join(JS_DTYPES)}; "
+                                   "train the model in one of those")
+    return {"dtype": a.dtype.name, "shape": list(a.shape)}
 
 
 def _signature(proto: onnx.ModelProto, given: set[str]) -> dict:
