@@ -286,10 +286,7 @@ def _inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
             break
         except Exception:  # the types the model declares are still there
             continue
-    g = inferred.graph
-    types = {t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in g.initializer}
-    types.update((v.name, v.type) for v in [*g.input, *g.value_info, *g.output])
-    return types
+    return modelio.value_types(inferred.graph)
 
 
 def _stage(g: _Graph, s: int, stage: list[int | None], boundary: list[list[str]], types) -> Stage:

@@ -227,7 +227,7 @@ def _loop_nodes(graph: onnx.GraphProto):
             yield from _loop_nodes(g)
 
 
-def _all_types(graph: onnx.GraphProto, types: dict | None = None) -> dict[str, onnx.TypeProto]:
+def value_types(graph: onnx.GraphProto, types: dict | None = None) -> dict[str, onnx.TypeProto]:
     """Value name -> type, over ``graph`` and its subgraphs (names are unique in a model)."""
     types = {} if types is None else types
     for t in graph.initializer:
@@ -236,7 +236,7 @@ def _all_types(graph: onnx.GraphProto, types: dict | None = None) -> dict[str, o
         types[v.name] = v.type
     for node in graph.node:
         for g in _subgraphs(node):
-            _all_types(g, types)
+            value_types(g, types)
     return types
 
 
@@ -279,7 +279,7 @@ def _rank_loop_bodies(proto: onnx.ModelProto) -> None:
                    and v.name not in refused
                    for _, node in _loop_nodes(proto.graph) for v, *_ in _loop_body_pairs(node)):
             return  # (no inference pass for models without such loops)
-        types = _all_types(onnx.shape_inference.infer_shapes(proto).graph)
+        types = value_types(onnx.shape_inference.infer_shapes(proto).graph)
         assumed = []
         for graph, node in _loop_nodes(proto.graph):
             for value, outer, offset, carried_out, final in _loop_body_pairs(node):
@@ -292,7 +292,7 @@ def _rank_loop_bodies(proto: onnx.ModelProto) -> None:
                 assumed.append((graph, value, carried_out, final, rank + offset))
         if not assumed:
             return
-        checked = _all_types(onnx.shape_inference.infer_shapes(proto).graph)
+        checked = value_types(onnx.shape_inference.infer_shapes(proto).graph)
         for graph, value, carried_out, final, rank in assumed:
             if carried_out is not None and _rank_of(checked.get(carried_out)) != rank:
                 value.type.tensor_type.ClearField("shape")
