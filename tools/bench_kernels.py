@@ -9,6 +9,10 @@ agree, and prints the medians and the second's time over the first's.
 - ``maxpool``: the CNN benchmark's first 2x2 MaxPool and its gradient, [32, 32, 32, 32]: the
   pooling with Indices + MaxUnpool (the rule's form), against a plain MaxPool and a gradient
   through the windows' ArgMax (first maximum, as the indices pick it) that needs no indices.
+- ``scatter`` / ``scatter-vocab``: an embedding's gradient (4096 rows of width 768 summed into
+  64 / 32000 rows at repeated indices) as ``ScatterND(reduction="add")``, which races on
+  onnxruntime's CPU threads (its outputs then disagree), against the ScatterElements form
+  gradbuilder writes (``compiler/passes/race_free_scatter.py``), exact at any thread count.
 - ``scaled-add``: ``b m + a g`` on 1M floats (the Adam moments' update) as Mul, Mul, Add,
   against one Gemm ``alpha [[a]] @ g + beta m`` -- whether fewer nodes make the update faster.
 
@@ -89,7 +93,24 @@ def scaled_add(rng):
     return {"Mul + Mul + Add": (ops, []), "Gemm": (gemm, [])}, feeds, lambda ratio: f"one Gemm is {ratio:.2f}x Mul + Mul + Add"
 
 
-CONTESTS = {"skiplayernorm": skiplayernorm, "maxpool": maxpool, "scaled-add": scaled_add}
+def _scatter(rows):
+    def contest(rng):
+        n, width = 4096, 768
+        node = helper.make_node
+        inputs = {"data": [rows, width], "updates": [n, width]}
+        ids = rng.integers(0, rows, (n, 1))
+        nd = _model([node("ScatterND", ["data", "ids", "updates"], ["y"], reduction="add")], inputs, ["y"], {"ids": ids})
+        elements = _model([node("Expand", ["ids", "wide"], ["positions"]),
+                           node("ScatterElements", ["data", "positions", "updates"], ["y"], axis=0, reduction="add")],
+                          inputs, ["y"], {"ids": ids, "wide": np.array([1, width], np.int64)})
+        feeds = {"data": np.zeros((rows, width), np.float32), "updates": rng.standard_normal((n, width)).astype(np.float32)}
+        return ({"ScatterND add (races)": (nd, []), "ScatterElements add": (elements, [])}, feeds,
+                lambda ratio: f"the race-free ScatterElements form is {ratio:.2f}x ScatterND")
+    return contest
+
+
+CONTESTS = {"skiplayernorm": skiplayernorm, "maxpool": maxpool, "scaled-add": scaled_add,
+            "scatter": _scatter(64), "scatter-vocab": _scatter(32000)}
 
 
 def contest(name: str, args) -> None:

@@ -38,6 +38,7 @@ from .passes.finite_inputs import mark_finite_softmax_inputs
 from .passes.expose_masks import expose_dropout_masks, expose_norm_statistics, expose_pool_indices
 from .passes.mixed_precision import autocast
 from .passes.padded_sums import padded_sums_as_concat
+from .passes.race_free_scatter import scatter_reductions_race_free
 from .passes.recompute import apply_recompute
 from .passes.running_stats import expose_running_statistics, restore_training_mode
 from .passes.store_trips import store_loop_trips
@@ -58,6 +59,7 @@ class Context:
     mixed_precision: str | None = None  # "float16" / "bfloat16": autocast
     cast_propagation: tuple[int, list[str]] = (1, [])
     recompute: object | None = None  # passes.recompute.RecomputeOptions
+    deterministic: bool = False  # the same bits every run on every device (passes.race_free_scatter)
     forward: list[ir.Node] = dataclasses.field(default_factory=list)  # the forward nodes (set before the walk)
     buffers: list[tuple[ir.Value, ir.Value]] = dataclasses.field(default_factory=list)  # (statistic, new value)
     reports: dict[str, object] = dataclasses.field(default_factory=dict)  # pass name -> what it reports
@@ -110,6 +112,7 @@ PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
 FINISH: tuple[Callable[[ir.Model, Context], object], ...] = (
     padded_sums_as_concat,
     apply_recompute,
+    scatter_reductions_race_free,
     remove_unused_nodes,
 )
 

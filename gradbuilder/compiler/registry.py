@@ -632,8 +632,8 @@ class Emitter:
             dims = None
             if target is not None and op == "Expand":
                 dims = broadcast_dims(dims_of(first), tuple(int(t) for t in target))
-            elif target is not None and op == "Reshape" and all(t > 0 for t in target):
-                dims = tuple(int(t) for t in target)
+            elif target is not None and op == "Reshape":
+                dims = _reshaped_dims(dims_of(first), [int(t) for t in np.ravel(target)], attr(node, "allowzero", 0))
             self.typed(out, first.dtype, dims)
         elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
                     "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceLogSum"):
@@ -669,6 +669,22 @@ class Emitter:
             outs = node.outputs if op == "Split" else node.outputs[:1]
             for o in outs:
                 self.typed(o, first.dtype, None)
+
+
+def _reshaped_dims(src: tuple | None, target: list[int], allowzero: int) -> tuple:
+    """The dims a Reshape to the constant ``target`` gives: a 0 copies the input's dim (unless
+    ``allowzero``), a -1 is what the input's static size leaves (unknown otherwise)."""
+    dims = []
+    for i, t in enumerate(target):
+        if t == 0 and not allowzero:
+            dims.append(src[i] if src is not None and i < len(src) else None)
+        else:
+            dims.append(None if t == -1 else t)
+    if -1 in target and src is not None and all(isinstance(d, int) for d in src):
+        known = [d for d, t in zip(dims, target) if t != -1]
+        if all(isinstance(d, int) for d in known) and np.prod(known, dtype=np.int64) > 0:
+            dims[target.index(-1)] = int(np.prod(src, dtype=np.int64) // np.prod(known, dtype=np.int64))
+    return tuple(dims)
 
 
 def _attr(name: str, v) -> ir.Attr:

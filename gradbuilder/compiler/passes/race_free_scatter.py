@@ -1,0 +1,144 @@
+"""Scatters whose reduction onnxruntime could compute wrongly or differently each run become
+formulations it computes exactly, the same bits every run, at any thread count.
+
+The gradients of Gather, GatherND, Resize, RoiAlign, GridSample, DeformConv and the attention
+caches sum dy into the positions it was read from: ``ScatterND(zeros, idx, dy, reduction="add")``.
+onnxruntime's CPU ScatterND splits the updates across its intra-op threads, which then add
+into the same rows without synchronisation: from 2 threads on, repeated indices lose updates
+(4096 updates of width 768 into 64 rows are off by 3-4, a different amount every run).
+ScatterElements along one axis runs its updates in order on one thread (exact, deterministic
+on the CPU; CUDA adds with atomics, in an order that varies).
+
+With ``data`` viewed as [rows, rest] (the dims the index tuples address, then the rest) and
+each index tuple as a row number ``r = GatherND(arange(rows).reshape(data.shape[:k]), idx)``
+(negative entries too), a scatter-add is a segment sum, written without a concurrent
+read-modify-write:
+
+    order = argsort(r)                      (TopK, ascending)
+    c = cumsum(float64(updates[order]))     (prefix sums along the sorted rows)
+    ends = the last position of each run of equal rows
+    out = ScatterND(data, r[ends], data[r[ends]] + (c[ends] - c[previous end]))   unique rows
+
+Each row's sum is a difference of float64 prefix sums (float32 values: exact to 1e-16 of
+their magnitude). The other reductions (mul, max, min) become the ScatterElements along
+axis 0 of the same view. Every such ScatterND in the finished graph is rewritten, the forward
+model's own and those inside control-flow bodies included; with ``deterministic`` (the
+``deterministic_compute`` training parameter) so is every ScatterElements with
+reduction="add", whose CUDA kernel adds in a varying order. ``tools/bench_kernels.py
+--contests scatter scatter-vocab`` measures the cost.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..registry import Emitter, attr, dims_of
+
+_INT64_MAX = 2**63 - 1
+
+
+def _reduction(node: ir.Node) -> str:
+    r = attr(node, "reduction", "none")
+    return r.decode() if isinstance(r, bytes) else r
+
+
+def _rewritten(node: ir.Node, deterministic: bool) -> bool:
+    if node.domain not in ("", "ai.onnx") or _reduction(node) == "none":
+        return False
+    if node.op_type == "ScatterND":
+        return True
+    return deterministic and node.op_type == "ScatterElements" and _reduction(node) == "add"
+
+
+def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
+    deterministic = bool(getattr(ctx, "deterministic", False))
+    targets = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if _rewritten(n, deterministic)]
+    for node in targets:
+        graph = node.graph
+        e = Emitter(graph, ctx.opset, ctx.emitter.used_names)  # fresh: no constants cached elsewhere
+        e.scope = f"{node.name or node.op_type}/"
+        data, idx, upd = node.inputs
+        if node.op_type == "ScatterElements":
+            out = _elements_add(e, node)
+        else:
+            view = _RowView(e, node)
+            if _reduction(node) == "add":
+                out = view.restore(_segment_sum(e, view.data, view.rows, view.updates))
+            else:
+                out = view.restore(e.ScatterElements(view.data, e.Expand(e.reshape(view.rows, [-1, 1]), view.one_rest),
+                                                     view.updates, axis=0, reduction=_reduction(node)))
+        graph.remove(e.nodes)
+        graph.insert_before(node, e.nodes)
+        old = node.outputs[0]
+        name = old.name
+        old.name = ctx.unique(f"{name}_scattered")
+        out.name, out.dtype, out.shape = name, old.dtype, old.shape
+        out.meta.update(old.meta)
+        old.replace_all_uses_with(out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
+
+class _RowView:
+    """A ScatterND's data as [rows, rest], its updates as [M, rest] and its index tuples as the
+    M row numbers they address."""
+
+    def __init__(self, e: Emitter, node: ir.Node):
+        data, idx, upd = node.inputs
+        self.e = e
+        dd, idims = dims_of(data) or dims_of(node.outputs[0]), dims_of(idx)
+        k = idims[-1] if idims and isinstance(idims[-1], int) else None
+        if dd is not None and k is not None and all(isinstance(d, int) for d in dd):
+            lead, rest = list(dd[:k]), int(np.prod(dd[k:], dtype=np.int64))
+            rows = int(np.prod(lead, dtype=np.int64))
+            numbered = e.reshape(e.Range(e.const(0), e.const(rows), e.const(1)), lead)
+            rows_rest, self.one_rest, per_update = e.ints([rows, rest]), e.ints([1, rest]), e.ints([-1, rest])
+            self.shape = e.ints(list(dd))
+        else:
+            self.shape = e.Shape(data)
+            k_v = e.ints([k]) if k is not None else e.Slice(e.Shape(idx), e.ints([-1]), e.ints([_INT64_MAX]))
+            lead_v = e.Slice(self.shape, e.ints([0]), k_v)
+            rows_v = e.reduce("ReduceProd", lead_v, [0], keepdims=True)
+            rest_v = e.reduce("ReduceProd", e.Slice(self.shape, k_v, e.ints([_INT64_MAX])), [0], keepdims=True)
+            numbered = e.Reshape(e.Range(e.const(0), e.reshape(rows_v, []), e.const(1)), lead_v)
+            rows_rest = e.Concat(rows_v, rest_v, axis=0)
+            self.one_rest = e.Concat(e.ints([1]), rest_v, axis=0)
+            per_update = e.Concat(e.ints([-1]), rest_v, axis=0)
+        self.rows = e.reshape(e.GatherND(numbered, idx), [-1])
+        self.data = e.Reshape(data, rows_rest)
+        self.updates = e.Reshape(upd, per_update)
+
+    def restore(self, flat: ir.Value) -> ir.Value:
+        return self.e.Reshape(flat, self.shape)
+
+
+def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value) -> ir.Value:
+    """data [R, rest] with updates [M, rest] added at rows [M] (ints in [0, R)), by sorting."""
+    sorted_rows, order = e.op("TopK", rows, e.Shape(rows), outputs=2, largest=0, sorted=1)
+    wide = e.Cast(e.Gather(updates, order, axis=0), to=int(ir.DataType.DOUBLE))
+    sums = e.CumSum(wide, e.const(np.array(0, np.int64)))
+    following = e.Concat(e.Slice(sorted_rows, e.ints([1]), e.ints([_INT64_MAX])), e.ints([-1]), axis=0)
+    ends = e.reshape(e.NonZero(e.Not(e.Equal(sorted_rows, following))), [-1])
+    at_ends = e.Concat(e.Expand(e.const(np.zeros((1, 1), np.float64)), e.Shape(e.Slice(updates, e.ints([0]), e.ints([1])))),
+                       e.Gather(sums, ends, axis=0), axis=0)
+    segment = e.Sub(e.Slice(at_ends, e.ints([1]), e.ints([_INT64_MAX])), e.Slice(at_ends, e.ints([0]), e.ints([-1])))
+    targets = e.Gather(sorted_rows, ends, axis=0)
+    total = e.Add(e.Cast(e.Gather(data, targets, axis=0), to=int(ir.DataType.DOUBLE)), segment)
+    return e.ScatterND(data, e.reshape(targets, [-1, 1]), e.CastLike(total, data))
+
+
+def _elements_add(e: Emitter, node: ir.Node) -> ir.Value:
+    """ScatterElements(reduction="add") along its axis as a segment sum over data's elements:
+    the flat position of each update is its own coordinates with the index on the axis."""
+    data, idx, upd = node.inputs
+    rank = len(dims_of(idx)) if dims_of(idx) is not None else None
+    if rank is None:
+        return e.ScatterElements(data, idx, upd, axis=attr(node, "axis", 0), reduction="add")
+    axis = attr(node, "axis", 0) % rank
+    shape = e.Shape(data)
+    size = e.reduce("ReduceProd", shape, [0], keepdims=True)
+    numbered = e.Reshape(e.Range(e.const(0), e.reshape(size, []), e.const(1)), shape)
+    positions = e.GatherElements(numbered, idx, axis=axis)  # negative indices counted from the end
+    flat = _segment_sum(e, e.Reshape(data, e.Concat(size, e.ints([1]), axis=0)), e.reshape(positions, [-1]),
+                        e.reshape(upd, [-1, 1]))
+    return e.Reshape(flat, shape)
