@@ -157,9 +157,9 @@ def _listed(names, most: int = 12) -> str:
 def _cmd_build(args) -> int:
     _check_input_file("model", args.model)
     _check_output_file("-o", args.output)
-    from .compiler.builder import GradientGraphBuilder, float_initializers
+    from .compiler.builder import GradientGraphBuilder, default_weights
 
-    weights = args.weights or float_initializers(args.model)
+    weights = args.weights or default_weights(args.model)
     outputs = args.outputs or [args.loss]
     b = GradientGraphBuilder(args.model, weights=weights, outputs=outputs, loss=args.loss).build()
     b.save(args.output)
@@ -176,9 +176,9 @@ def _cmd_artifacts(args) -> int:
         raise InvalidArgumentError(f"{'--loss-output' if args.loss_output else '--target'} needs --loss")
     if args.weights or args.frozen:
         from .compiler import modelio
-        from .compiler.builder import float_initializers
+        from .compiler.builder import float_values
 
-        _check_weights(args, float_initializers(modelio.load_proto(args.model)))
+        _check_weights(args, float_values(modelio.load_proto(args.model)))
     from .training.artifacts import generate_artifacts
 
     written = generate_artifacts(args.model, requires_grad=args.weights, frozen_params=args.frozen or (),
@@ -193,8 +193,9 @@ def _check_weights(args, floats) -> None:
     for option, names in (("--weights", args.weights), ("--frozen", args.frozen)):
         unknown = [n for n in names or () if n not in floats]
         if unknown:
-            raise InvalidArgumentError(f"{option}: the model has no float initializer named {_listed(unknown)}; "
-                                       f"its float initializers are {_listed(floats)}")
+            raise InvalidArgumentError(f"{option}: the model has no float initializer named {_listed(unknown)} "
+                                       "(nor a float Constant output of that name); its float initializers and "
+                                       f"Constant outputs are {_listed(floats)}")
 
 
 def _cmd_ops(args) -> int:
@@ -277,7 +278,7 @@ def _cmd_train(args) -> int:
 
     from . import TrainingParameters
     from .compiler import modelio
-    from .compiler.builder import float_initializers
+    from .compiler.builder import default_weights, float_values
     from .runtime.loop import BATCHES_SEEN, accuracy, fit
 
     model = modelio.load_proto(args.model)
@@ -289,8 +290,7 @@ def _cmd_train(args) -> int:
         loss_name = loss_name or "loss"
         model = append_loss(model, args.loss, output, target_name=args.target or "target", loss_name=loss_name)
     loss_name = loss_name or model.graph.output[0].name
-    floats = float_initializers(model)
-    _check_weights(args, floats)
+    _check_weights(args, float_values(model))
     values = _values(model.graph)
     outputs = [o.name for o in model.graph.output]
     keep = args.keep or [o for o in outputs if o != loss_name] or [loss_name]
@@ -324,7 +324,7 @@ def _cmd_train(args) -> int:
     if args.frozen:
         params.weights_not_to_train = args.frozen
     if args.max_grad_norm is not None:
-        weights = args.weights or [w for w in floats if w not in (args.frozen or [])]
+        weights = args.weights or [w for w in default_weights(model) if w not in (args.frozen or [])]
         params.optimizer_attributes_map = {w: {"max_norm_clip": args.max_grad_norm} for w in weights}
     providers = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
                  "auto": None}[args.device]
@@ -579,10 +579,14 @@ def _artifact_arguments(p) -> None:
     p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
     p.add_argument("--target", help="with --loss: name of its target input (default target)")
     p.add_argument("--optimizer", default="adamw", help=_optimizer_help())
-    p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
+    p.add_argument("--weights", nargs="+", metavar="N", help=_WEIGHTS_HELP)
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
     p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
     _common(p)
+
+
+_WEIGHTS_HELP = ("weights to train: float initializers or Constant outputs (default: every float initializer; a model "
+                 "without any, as paddle2onnx and spox write them: its float Constant tensors)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -599,7 +603,8 @@ def parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--weights", nargs="+", metavar="N", help="values to differentiate")
     which.add_argument("--all-initializers", action="store_true",
-                       help="differentiate every float initializer (the default without --weights)")
+                       help="differentiate every float initializer (the default without --weights; a model without "
+                            "any: its float Constant tensors)")
     p.add_argument("--outputs", nargs="+", metavar="N", help="values kept as outputs (default: the loss)")
     p.add_argument("-o", "--output", required=True, help="path of the model to write")
     _common(p)
@@ -650,7 +655,7 @@ def parser() -> argparse.ArgumentParser:
                    help="batches to train on in all, counting the checkpoint's with --resume (default 300)")
     p.add_argument("--batch-size", type=_integer(1), default=32, help="rows per step (default 32)")
     p.add_argument("--seed", type=_integer(0), help="shuffling seed (default 0)")
-    p.add_argument("--weights", nargs="+", metavar="N", help="weights to train (default: every float initializer)")
+    p.add_argument("--weights", nargs="+", metavar="N", help=_WEIGHTS_HELP)
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
     p.add_argument("--max-grad-norm", type=_positive_float, help="clip gradients to this global L2 norm")
     p.add_argument("--accumulation-steps", type=_integer(1), default=1, help="micro-batches per update (default 1)")

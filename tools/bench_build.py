@@ -160,10 +160,10 @@ def _peak_rss_mb() -> float:
 def _child(path: str) -> None:
     """Build one model's gradient graph; print timings and peak RSS as JSON."""
     from gradbuilder import GradientGraphBuilder
-    from gradbuilder.compiler.builder import float_initializers
+    from gradbuilder.compiler.builder import default_weights
 
     t0 = time.perf_counter()
-    weights = float_initializers(path)
+    weights = default_weights(path)
     weights = [w for w in weights if w not in ("scale", "half", "one", "sqrt2")]  # synthetic constants
     b = GradientGraphBuilder(path, weights=weights, outputs=["loss"], loss="loss").build()
     out = path + ".grad.onnx"

@@ -11,7 +11,7 @@ agree, and prints the medians and the second's time over the first's.
   through the windows' ArgMax (first maximum, as the indices pick it) that needs no indices.
 - ``scatter`` / ``scatter-vocab``: an embedding's gradient (4096 rows of width 768 summed into
   64 / 32000 rows at repeated indices) as ``ScatterND(reduction="add")``, which races on
-  onnxruntime's CPU threads (its outputs then disagree), against the ScatterElements form
+  onnxruntime's CPU threads (its outputs then disagree), against the sorted float64 segment sum
   gradbuilder writes (``compiler/passes/race_free_scatter.py``), exact at any thread count.
 - ``scaled-add``: ``b m + a g`` on 1M floats (the Adam moments' update) as Mul, Mul, Add,
   against one Gemm ``alpha [[a]] @ g + beta m`` -- whether fewer nodes make the update faster.
@@ -95,17 +95,24 @@ def scaled_add(rng):
 
 def _scatter(rows):
     def contest(rng):
+        import onnx
+        import onnx_ir as ir
+
+        from gradbuilder.compiler import pipeline
+        from gradbuilder.compiler.passes.race_free_scatter import scatter_reductions_race_free
+
         n, width = 4096, 768
-        node = helper.make_node
-        inputs = {"data": [rows, width], "updates": [n, width]}
         ids = rng.integers(0, rows, (n, 1))
-        nd = _model([node("ScatterND", ["data", "ids", "updates"], ["y"], reduction="add")], inputs, ["y"], {"ids": ids})
-        elements = _model([node("Expand", ["ids", "wide"], ["positions"]),
-                           node("ScatterElements", ["data", "positions", "updates"], ["y"], axis=0, reduction="add")],
-                          inputs, ["y"], {"ids": ids, "wide": np.array([1, width], np.int64)})
-        feeds = {"data": np.zeros((rows, width), np.float32), "updates": rng.standard_normal((n, width)).astype(np.float32)}
-        return ({"ScatterND add (races)": (nd, []), "ScatterElements add": (elements, [])}, feeds,
-                lambda ratio: f"the race-free ScatterElements form is {ratio:.2f}x ScatterND")
+        nd = _model([helper.make_node("Expand", ["zero", "shape"], ["data"]),  # as in a gradient: zeros made inside
+                     helper.make_node("ScatterND", ["data", "ids", "updates"], ["y"], reduction="add")],
+                    {"updates": [n, width]}, ["y"],
+                    {"ids": ids, "zero": np.array(0, np.float32), "shape": np.array([rows, width], np.int64)})
+        model = ir.from_proto(onnx.load_from_string(nd))
+        scatter_reductions_race_free(model, pipeline.Context.of(model))
+        sorted_sum = ir.to_proto(model).SerializeToString()
+        feeds = {"updates": rng.standard_normal((n, width)).astype(np.float32)}
+        return ({"ScatterND add (races)": (nd, []), "sorted segment sum": (sorted_sum, [])}, feeds,
+                lambda ratio: f"the race-free segment sum is {ratio:.2f}x ScatterND")
     return contest
 
 

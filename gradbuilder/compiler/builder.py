@@ -49,6 +49,7 @@ class GradientGraphBuilder:
         cast_propagation: tuple[int, Iterable[str]] = (1, ()),
         recompute=None,
         memory_efficient_gradient: bool = False,
+        deterministic: bool = False,
         running_statistics: bool = False,
         base_dir: str | os.PathLike | None = None,
     ):
@@ -74,6 +75,7 @@ class GradientGraphBuilder:
         self.recompute = recompute  # a passes.recompute.RecomputeOptions, or None
         self.recompute_report = None
         self.memory_efficient_gradient = bool(memory_efficient_gradient)
+        self.deterministic = bool(deterministic)  # no scatter whose sums vary between runs (CUDA's atomics)
         self.running_statistics = bool(running_statistics)
         self.buffers: list[str] = []
         self.unreached_weights: list[str] = []
@@ -91,11 +93,15 @@ class GradientGraphBuilder:
 
     def _build(self) -> "GradientGraphBuilder":
         t0 = time.perf_counter()
-        proto, weights_bytes = modelio.load_detached(self._source, self.base_dir)
+        proto, weights_bytes = modelio.load_detached(self._source, self.base_dir, self.weights)
+        if not self.weights:
+            raise InvalidArgumentError(f"weights is empty: {nothing_to_train(proto.graph)}")
         if self._warn_about_model:
+            from .tied_exports import warn_merged_parameters
             from .torch_exports import warn_inference_export
 
             warn_inference_export(proto)
+            warn_merged_parameters(proto)
         model = pipeline.load(proto, self.weights + self.stop_gradients, quiet=not self._warn_about_model)
         del proto
         t1 = time.perf_counter()
@@ -121,7 +127,7 @@ class GradientGraphBuilder:
         ctx = pipeline.Context.of(
             model, wrt=weights, running_statistics=self.running_statistics,
             unbiased_variance=model.producer_name == "pytorch", mixed_precision=self.mixed_precision,
-            cast_propagation=self.cast_propagation, recompute=self.recompute)
+            cast_propagation=self.cast_propagation, recompute=self.recompute, deterministic=self.deterministic)
         pipeline.run(pipeline.PREPARE, model, ctx)
         buffers = self._take_buffers(graph, weights, ctx.buffers)
         e = ctx.emitter
@@ -197,8 +203,6 @@ class GradientGraphBuilder:
                 "initializers. gradbuilder takes (model, weights, outputs, loss), onnxruntime-training "
                 f"(model, outputs, weights, loss); use the keyword form: {KEYWORD_FORM}"
             )
-        if not self.weights:
-            raise InvalidArgumentError("weights is empty: name at least one initializer or graph input")
         if len(set(self.weights)) != len(self.weights):
             raise InvalidArgumentError(f"weights lists a name twice: {self.weights}")
         self._names_exist(self.weights, values, "weights")
@@ -210,7 +214,7 @@ class GradientGraphBuilder:
             if name in produced:
                 raise InvalidArgumentError(
                     f"weight '{name}' is computed by node '{v.producer().name}' "
-                    f"({v.producer().op_type}); weights must be initializers or graph inputs"
+                    f"({v.producer().op_type}); weights must be initializers, graph inputs or float Constant outputs"
                 )
             if v.dtype not in FLOAT_TYPES:
                 raise InvalidArgumentError(
@@ -300,7 +304,49 @@ def _drop_inner_types(graph: ir.Graph) -> None:
                 v.shape = None
 
 
-def float_initializers(model, base_dir=None) -> list[str]:
-    """Names of the float initializers of ``model`` (the default set of weights)."""
+def float_values(model, base_dir=None) -> list[str]:
+    """What ``weights`` may name besides graph inputs: the float initializers of ``model`` and
+    the outputs of its float Constant nodes."""
     proto = modelio.read_proto(model, base_dir)
-    return [t.name for t in proto.graph.initializer if t.data_type in FLOAT_TENSOR_TYPES]
+    return _float_initializers(proto.graph) + list(modelio.float_constants(proto.graph))
+
+
+def default_weights(model, base_dir=None) -> list[str]:
+    """The weights trained when none are named: the float initializers of ``model``. A model
+    with none (paddle2onnx and spox keep every weight in a Constant node) trains its float
+    Constant tensors of rank 1 and more instead; a scalar Constant is trained only when named."""
+    proto = modelio.read_proto(model, base_dir)
+    return _float_initializers(proto.graph) or [n for n, t in modelio.float_constants(proto.graph).items() if t.dims]
+
+
+def _float_initializers(graph: onnx.GraphProto) -> list[str]:
+    return [t.name for t in graph.initializer if t.data_type in FLOAT_TENSOR_TYPES]
+
+
+# attribute types that hold numbers an ai.onnx.ml operator was fitted to
+_FITTED = (onnx.AttributeProto.FLOAT, onnx.AttributeProto.FLOATS, onnx.AttributeProto.TENSOR)
+
+
+def nothing_to_train(graph: onnx.GraphProto) -> str:
+    """What to name when no weight was named, or where a model with nothing to name keeps its
+    parameters and what to do about it (the rest of a one-line error)."""
+    floats = _float_initializers(graph) + list(modelio.float_constants(graph))
+    if floats:
+        return f"name at least one of the model's float initializers and Constant outputs: {_listed(floats)}"
+    fitted = [f"{n.op_type} '{n.name}'" if n.name else n.op_type for n in graph.node
+              if n.domain == "ai.onnx.ml" and any(a.type in _FITTED for a in n.attribute)]
+    if fitted:
+        return (f"the model has no float initializer or Constant node: its parameters are attributes of ai.onnx.ml "
+                f"operators ({_listed(fitted)}), constants of the operator that no gradient reaches, so nothing can "
+                "train them. Rebuild the model with its parameters as float initializers read by standard ONNX "
+                "operators (a linear model as MatMul + Add, for instance), or fit it again in the library it came "
+                "from and convert it again")
+    inputs = [i.name for i in graph.input if i.type.tensor_type.elem_type in FLOAT_TENSOR_TYPES]
+    if inputs:
+        return ("the model has no float initializer or Constant node to train; to differentiate with respect to a "
+                f"graph input, name it (float inputs: {_listed(inputs)})")
+    return "the model has no float initializer, Constant node or graph input: nothing in it can be trained"
+
+
+def _listed(names, most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")

@@ -11,6 +11,7 @@ import onnx.version_converter
 import onnx_ir as ir
 
 from .. import files
+from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidModelError, ModelLoadError, OutputError
 
 MIN_OPSET = 13
@@ -57,7 +58,72 @@ def load_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelPr
             "model again with an ONNX release that reads it"
         )
     _load_external_data(proto, base_dir, origin)
+    _unknown_declared_dims(proto.graph)
     return proto
+
+
+def _unknown_declared_dims(graph: onnx.GraphProto) -> None:
+    """Declared sizes of -1 or 0 on the graph's (and its subgraphs') inputs, outputs and
+    value_info become unknown sizes: paddle2onnx writes -1 for a dynamic axis, other exporters
+    0, and a gradient built on such a size would be wrong at run time. Initializers keep their
+    shapes (a 0 there is a real empty axis)."""
+    for v in list(graph.input) + list(graph.output) + list(graph.value_info):
+        _unknown_dims_of(v.type)
+    for node in graph.node:
+        for g in _subgraphs(node):
+            _unknown_declared_dims(g)
+
+
+def _unknown_dims_of(t: onnx.TypeProto) -> None:
+    kind = t.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        for d in getattr(t, kind).shape.dim:
+            if d.HasField("dim_value") and d.dim_value <= 0:
+                d.ClearField("dim_value")
+    elif kind in ("sequence_type", "optional_type"):
+        _unknown_dims_of(getattr(t, kind).elem_type)
+    elif kind == "map_type":
+        _unknown_dims_of(t.map_type.value_type)
+
+
+def float_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The float values ``graph``'s own Constant nodes hold (attribute ``value`` of a float type,
+    ``value_float`` or ``value_floats``), by output name: where paddle2onnx and spox keep
+    every weight."""
+    found = {}
+    for node in graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+            continue
+        for a in node.attribute:
+            if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and a.t.data_type in FLOAT_TENSOR_TYPES:
+                t = onnx.TensorProto()
+                t.CopyFrom(a.t)
+            elif a.name == "value_float":
+                t = onnx.helper.make_tensor("", onnx.TensorProto.FLOAT, [], [a.f])
+            elif a.name == "value_floats":
+                t = onnx.helper.make_tensor("", onnx.TensorProto.FLOAT, [len(a.floats)], list(a.floats))
+            else:
+                continue
+            t.name = node.output[0]
+            found[node.output[0]] = t
+    return found
+
+
+def lift_constants(proto: onnx.ModelProto, names) -> list[str]:
+    """Make the float Constant nodes of ``proto``'s graph (in place) that compute one of
+    ``names`` initializers of the same name and value, so they can be trained as weights;
+    returns the names lifted. Other Constant nodes stay as they are."""
+    wanted = set(names)
+    constants = {n: t for n, t in float_constants(proto.graph).items() if n in wanted}
+    if not constants:
+        return []
+    kept = [n for n in proto.graph.node if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                                                and len(n.output) == 1 and n.output[0] in constants)]
+    del proto.graph.node[:]
+    proto.graph.node.extend(kept)
+    proto.graph.initializer.extend(constants.values())
+    proto.ir_version = max(proto.ir_version, 4)  # IR 3 required initializers to be inputs
+    return list(constants)
 
 
 def _from_graphsurgeon(model):
@@ -387,8 +453,9 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
 DETACH_BYTES = 1024
 
 
-def load_detached(model, base_dir=None) -> tuple[onnx.ModelProto, dict[str, bytes]]:
-    """The model as a weight-free skeleton proto, and the raw bytes of its large initializers.
+def load_detached(model, base_dir=None, weights=()) -> tuple[onnx.ModelProto, dict[str, bytes]]:
+    """The model as a weight-free skeleton proto, and the raw bytes of its large initializers
+    (the float Constant nodes computing ``weights`` lifted to initializers first).
 
     The whole pipeline (inference, IR, backward graph, output proto, checker) runs on the
     skeleton, whose types and shapes are all still there; :func:`attach_weights` puts the
@@ -396,6 +463,7 @@ def load_detached(model, base_dir=None) -> tuple[onnx.ModelProto, dict[str, byte
     skeleton is re-parsed so the memory the full proto held is returned at once.
     """
     proto = load_proto(model, base_dir)
+    lift_constants(proto, weights)
     stash = {}
     for t in proto.graph.initializer:
         if len(t.raw_data) >= DETACH_BYTES:

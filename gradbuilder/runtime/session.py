@@ -56,6 +56,7 @@ class TrainingSession:
     def __init__(self, path_or_bytes, parameters, sess_options: ort.SessionOptions | None = None,
                  providers: Sequence | None = None, provider_options: Sequence[dict] | None = None,
                  base_dir: str | os.PathLike | None = None):
+        from ..compiler.tied_exports import warn_merged_parameters
         from ..compiler.torch_exports import warn_inference_export
         from ..training.params import TrainingParameters
 
@@ -68,7 +69,9 @@ class TrainingSession:
         self._model = modelio.load_proto(path_or_bytes, base_dir)
         compat.check_for_runtime(self._model, strict=True)  # the graphs must load in onnxruntime
         warn_inference_export(self._model)
+        warn_merged_parameters(self._model)
         self.weights = weights_of(self._model, self._params)
+        modelio.lift_constants(self._model, self.weights)  # weights held in Constant nodes (paddle2onnx, spox)
         self.buffers = buffers_of(self._model)  # running statistics: updated by training, not trained
         inits = {t.name: t for t in self._model.graph.initializer}
         no_value = [b for b in self.buffers if b not in inits]
@@ -89,6 +92,8 @@ class TrainingSession:
                                        "initial values as initializers")
         initial = {**self._builder.initial_state(values), **values}
         self._sess_options = sess_options or _default_session_options()
+        if self._params.deterministic_compute:  # onnxruntime's own choices too (CUDA's convolution algorithms)
+            self._sess_options = _providers.options_with(self._sess_options, use_deterministic_compute=True)
         names, options = _resolve_providers(providers, provider_options)
         topo = distributed.topology(self._params)  # checked before anything is placed on a device
         if topo is not None:

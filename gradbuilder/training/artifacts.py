@@ -27,9 +27,9 @@ from ..interface import STEP, state_of
 def export_model_for_inferencing(model, output_path: str | os.PathLike, output_names: Sequence[str],
                                  weights: Mapping[str, np.ndarray] | None = None, base_dir=None) -> str:
     """Write ``model`` (forward graph: bytes, path or ModelProto, never modified) to
-    ``output_path`` with the initializers in ``weights`` replaced by the given (trained)
-    values and only ``output_names`` as outputs; nodes those outputs do not need are removed.
-    The model is written in inference mode (``passes.running_stats.inference_form``:
+    ``output_path`` with the initializers (or float Constant nodes) in ``weights`` replaced by
+    the given (trained) values and only ``output_names`` as outputs; nodes those outputs do not
+    need are removed. The model is written in inference mode (``passes.running_stats.inference_form``:
     BatchNormalization reads its running statistics, Dropout passes through), so each output
     depends on its own sample only. The write is atomic. ``base_dir``: where the model's
     external data files are (default: the folder of the model's path)."""
@@ -37,10 +37,12 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
     proto = modelio.load_proto(model, base_dir)
     compat.check_for_runtime(proto)
     proto = inference_form(proto)
+    modelio.lift_constants(proto, list(weights or {}))
     inits = {t.name: t for t in proto.graph.initializer}
     for name, value in (weights or {}).items():
         if name not in inits:
-            raise InvalidArgumentError(f"weights: the model has no initializer named '{name}'")
+            raise InvalidArgumentError(f"weights: the model has no initializer named '{name}' (nor a float Constant "
+                                       "output of that name)")
         old = inits[name]
         value = np.asarray(value)
         if list(value.shape) != list(old.dims):
@@ -117,13 +119,15 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     ``loss`` appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to the output
     ``loss_output`` (default: the model's first output), reading a new input ``target_name``;
     without it the model's first output is the loss. ``requires_grad`` defaults to every float
-    initializer not in ``frozen_params``. Nothing is written unless every artifact builds.
+    initializer not in ``frozen_params`` (a model without any: its float Constant tensors, which
+    requires_grad may name too). Nothing is written unless every artifact builds.
     ``base_dir``: where the model's external data files are (default: the folder of its path).
     """
-    from ..compiler.builder import GradientGraphBuilder, float_initializers
+    from ..compiler.builder import GradientGraphBuilder, default_weights
     from .loss import append_loss
     from .stages.optimizer import resolve
 
+    from ..compiler.tied_exports import warn_merged_parameters
     from ..compiler.torch_exports import warn_inference_export
 
     optimizer = _plain_optimizer(optimizer)
@@ -132,6 +136,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     directory = _check_artifact_paths(artifact_directory, names)
     proto = modelio.load_proto(model, base_dir)
     warn_inference_export(proto)
+    warn_merged_parameters(proto)
     compat.check_for_runtime(proto)
     if loss is not None:
         output = loss_output or proto.graph.output[0].name
@@ -142,9 +147,10 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     buffers = buffers_of(proto)
     if isinstance(requires_grad, str):
         raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
-    weights = list(requires_grad) if requires_grad is not None else [w for w in float_initializers(proto)
+    weights = list(requires_grad) if requires_grad is not None else [w for w in default_weights(proto)
                                                                        if w not in buffers]
     weights = [w for w in weights if w not in set(frozen_params)]
+    modelio.lift_constants(proto, weights)
     _check_weights(proto, weights, buffers)
     options = resolve(optimizer, optimizer_options)
     training = GradientGraphBuilder(proto, weights, [loss_name], loss_name, running_statistics=True)
@@ -199,6 +205,6 @@ def _check_weights(proto: onnx.ModelProto, weights: Sequence[str], buffers: Sequ
                 "weight's initial value into checkpoint.npz, so give it one as an initializer, or leave it out")
         if w in values:
             raise InvalidArgumentError(f"requires_grad: '{w}' is computed by a node of the model; weights must be "
-                                       "initializers")
+                                       "initializers or float Constant outputs")
         raise InvalidArgumentError(f"requires_grad: the model has no initializer named '{w}' (its initializers: "
                                    f"{sorted(inits)[:8]}{' ...' if len(inits) > 8 else ''})")

@@ -70,11 +70,13 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         fp16_moments: bool = False,
         recompute=None,
         memory_efficient_gradient: bool = False,
+        deterministic: bool = False,
         base_dir=None,
     ):
         super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients, mixed_precision=mixed_precision,
                          cast_propagation=cast_propagation, recompute=recompute,
-                         memory_efficient_gradient=memory_efficient_gradient, running_statistics=True,
+                         memory_efficient_gradient=memory_efficient_gradient, deterministic=deterministic,
+                         running_statistics=True,
                          base_dir=base_dir)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InvalidArgumentError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
@@ -157,17 +159,17 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         return self.per_weight_options.get(weight, self.optimizer_options)
 
     def _weight_specs(self) -> dict[str, np.ndarray]:
-        """Each weight as an array of its dtype and shape (its initializer, or a zero-strided
-        view standing for a graph input of fixed shape)."""
+        """Each weight as an array of its dtype and shape (its initializer or Constant node, or
+        a zero-strided view standing for a graph input of fixed shape)."""
         proto = modelio.read_proto(self._source, self.base_dir)
-        specs = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer
-                 if t.name in self.weights and not t.external_data}
+        tensors = [*proto.graph.initializer, *modelio.float_constants(proto.graph).values()]
+        specs = {t.name: numpy_helper.to_array(t) for t in tensors if t.name in self.weights and not t.external_data}
         for i in proto.graph.input:
             dims = i.type.tensor_type.shape.dim
-            if i.name in self.weights and i.name not in specs and all(d.HasField("dim_value") for d in dims):
+            if i.name in self.weights and i.name not in specs and all(d.dim_value > 0 for d in dims):
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
                 specs[i.name] = np.broadcast_to(np.zeros((), dtype), [d.dim_value for d in dims])
-        for t in proto.graph.initializer:  # in external data: shape and type from the metadata
+        for t in tensors:  # in external data: shape and type from the metadata
             if t.name in self.weights and t.name not in specs:
                 specs[t.name] = np.broadcast_to(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(t.data_type)), t.dims)
         return specs
@@ -221,7 +223,7 @@ class StepGradientsBuilder(GradientGraphBuilder):
         super().__init__(training._source, training.weights, outputs, training.loss, running_statistics=True,
                          mixed_precision=training.mixed_precision, cast_propagation=training.cast_propagation,
                          recompute=training.recompute, memory_efficient_gradient=training.memory_efficient_gradient,
-                         base_dir=training.base_dir)
+                         deterministic=training.deterministic, base_dir=training.base_dir)
         self.accumulate = accumulate
         self._loss = self._finite = None
 
@@ -344,9 +346,9 @@ def from_parameters(model, params, outputs: Iterable[str] | None = None, base_di
 
 def weights_of(model, params) -> list[str]:
     """The weights ``params`` trains in ``model``: weights_to_train (default: every float
-    initializer that is not a running statistic) less weights_not_to_train and the
-    immutable_weights."""
-    from ..compiler.builder import float_initializers
+    initializer that is not a running statistic, ``compiler.builder.default_weights``) less
+    weights_not_to_train and the immutable_weights; an error when that leaves none."""
+    from ..compiler.builder import default_weights, nothing_to_train
     from ..compiler.passes.running_stats import buffers_of
 
     proto = modelio.read_proto(model)
@@ -355,13 +357,16 @@ def weights_of(model, params) -> list[str]:
         raise InvalidArgumentError(f"TrainingParameters.weights_to_train: {sorted(buffers & params.weights_to_train)} "
                                    "are BatchNormalization running statistics, which the training step updates "
                                    "as buffers; they are not trained")
-    weights = sorted(params.weights_to_train) or [w for w in float_initializers(proto) if w not in buffers]
+    weights = sorted(params.weights_to_train) or [w for w in default_weights(proto) if w not in buffers]
     immutable = _immutable(proto, params.immutable_weights)
     both = sorted(set(params.weights_to_train) & immutable)
     if both:
         raise InvalidArgumentError(f"TrainingParameters: {both} are in weights_to_train and are also immutable "
                                    "(immutable_weights); remove them from one of the two")
-    return [w for w in weights if w not in params.weights_not_to_train and w not in immutable]
+    weights = [w for w in weights if w not in params.weights_not_to_train and w not in immutable]
+    if not weights:
+        raise InvalidArgumentError(f"no weights to train: {nothing_to_train(proto.graph)}")
+    return weights
 
 
 def graph_options(params) -> dict:
@@ -377,7 +382,8 @@ def graph_options(params) -> dict:
     return dict(mixed_precision=mixed,
                 cast_propagation=(params.propagate_cast_ops_level, params.propagate_cast_ops_allow),
                 loss_scaling=scaling, fp16_moments=params.use_fp16_moments, recompute=recompute_options(params),
-                memory_efficient_gradient=params.use_memory_efficient_gradient)
+                memory_efficient_gradient=params.use_memory_efficient_gradient,
+                deterministic=params.deterministic_compute)
 
 
 def recompute_options(params):

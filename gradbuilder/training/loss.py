@@ -33,6 +33,7 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import compat
 from ..compiler import modelio
 from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError, InvalidModelError
@@ -303,6 +304,8 @@ def append_loss(
             "(float16, bfloat16, float32 or float64)"
         )
     dims = _dims(out_type)
+    if kind == "nll":
+        _warn_if_probabilities(graph, output)
 
     taken = _all_names(graph)
     for what, name in (("loss_name", loss_name), ("target_name", target_name)):
@@ -359,6 +362,25 @@ def append_loss(
     loss_dims = target_dims if reduction == "none" else _scalar_dims()
     graph.output.append(_value_info(loss_name, _tensor_type(elem, loss_dims)))
     return proto
+
+
+# ops that pass probabilities on as probabilities
+_SAME_VALUES = ("Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _warn_if_probabilities(graph: onnx.GraphProto, output: str) -> None:
+    """nll reads log-probabilities; on a Softmax's output it would train on -p instead of -log p."""
+    producer = {o: n for n in graph.node for o in n.output if o}
+    node = producer.get(output)
+    while node is not None and node.op_type in _SAME_VALUES and node.domain in ("", "ai.onnx") and node.input:
+        node = producer.get(node.input[0])
+    if node is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+        return
+    where = f"Softmax node '{node.name}'" if node.name else "a Softmax node"
+    compat.warn(f"loss 'nll' expects log-probabilities (as torch's F.nll_loss), but output '{output}' holds the "
+                f"probabilities of {where}: it would train on -p[target], not -log p[target]. Use loss "
+                f"'crossentropy' on the Softmax's input '{node.input[0]}' (the loss output; it applies log-softmax "
+                "itself), or make the model output LogSoftmax")
 
 
 def _class_loss(e: _Nodes, kind, scores, target, loss, reduction, weight, ignore_index, smoothing, dims):

@@ -76,6 +76,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     if frozen_params:
         params.weights_not_to_train = list(frozen_params)
     weights, buffers = weights_of(proto, params), buffers_of(proto)
+    modelio.lift_constants(proto, weights)
     attributes = dict(optimizer_options or {})
     if max_grad_norm is not None:
         attributes["max_norm_clip"] = max_grad_norm
