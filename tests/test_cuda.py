@@ -33,14 +33,21 @@ def _train(providers, **options):
 
 
 def test_training_session_on_cuda_matches_the_cpu():
+    """float32 products are float32 on CUDA unless TF32 is allowed (onnxruntime's CUDA default
+    is TF32): without it the losses equal the CPU's to 1e-5; with allow_tf32 they stay within
+    TF32's 10-bit mantissa."""
     cpu, cpu_losses, _ = _train([CPU])
     sess, losses, caught = _train([CUDA, CPU])
     if GPU:
         assert sess.get_providers()[0] == CUDA
+        assert sess.get_provider_options()[CUDA]["use_tf32"] == "0"
         assert sess._state["W"].device_name().lower() == "cuda"  # the state lives on the device
-        np.testing.assert_allclose(losses, cpu_losses, rtol=1e-4)
+        np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
         np.testing.assert_allclose(sess.get_state()["model"]["full_precision"]["W"],
-                                   cpu.get_state()["model"]["full_precision"]["W"], rtol=1e-4, atol=1e-6)
+                                   cpu.get_state()["model"]["full_precision"]["W"], rtol=1e-5, atol=1e-6)
+        tf32, tf32_losses, _ = _train([CUDA, CPU], allow_tf32=True)
+        assert tf32.get_provider_options()[CUDA]["use_tf32"] == "1"
+        np.testing.assert_allclose(tf32_losses, cpu_losses, rtol=1e-2)
     else:
         assert any("CUDAExecutionProvider is not usable" in str(w.message) for w in caught)
         assert sess.get_providers() == [CPU] and losses == cpu_losses
@@ -75,3 +82,25 @@ def test_ortmodule_with_cuda_tensors_matches_the_module():
             opt.step()
     for a, b in zip(plain.parameters(), wrapped.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_deterministic_compute_gives_the_same_bits_every_run():
+    """deterministic_compute: an embedding model (its gradient a scatter-add, which CUDA adds
+    with atomics) trains to the same bits in two sessions, on the GPU where there is one."""
+    from .test_threads import BATCH, SEQ, VOCAB, _embedding_model
+
+    rng = np.random.default_rng(0)
+    model = _embedding_model(rng).SerializeToString()
+    batches = [{"ids": rng.integers(0, VOCAB, (BATCH, SEQ)), "labels": rng.integers(0, 8, BATCH)} for _ in range(4)]
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", deterministic_compute=True)
+    states = []
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # CUDA not usable here: the CPU runs it
+            sess = TrainingSession(model, params, providers=[CUDA, CPU])
+        assert sess.get_session_options().use_deterministic_compute
+        losses = [float(sess.run(["loss"], b)[0]) for b in batches]
+        states.append((losses, sess.get_state()["model"]["full_precision"]))
+    assert states[0][0] == states[1][0]
+    for name, value in states[0][1].items():
+        assert np.array_equal(value, states[1][1][name]), name

@@ -117,9 +117,10 @@ def test_resolve_default(fresh):
     names, options = providers.resolve_providers()
     if CUDA in providers.get_available_providers():
         assert names == [CUDA, CPU]
+        assert options == [{"use_tf32": "0"}, {}]  # float32 products in float32 unless asked
     else:
         assert names == [CPU]
-    assert options == [{} for _ in names]
+        assert options == [{}]
 
 
 def test_resolve_cpu_forms(fresh):
@@ -159,8 +160,8 @@ def test_resolve_cuda_warns_once_and_falls_back(fresh):
         second = providers.resolve_providers([CUDA])
     runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     if CUDA in providers.get_available_providers():
-        assert first == ([CUDA, CPU], [{"device_id": "0"}, {}])
-        assert second == ([CUDA, CPU], [{}, {}])
+        assert first == ([CUDA, CPU], [{"use_tf32": "0", "device_id": "0"}, {}])
+        assert second == ([CUDA, CPU], [{"use_tf32": "0"}, {}])
         assert runtime == []
     else:
         assert first == second == ([CPU], [{}])
@@ -337,3 +338,15 @@ def test_version_and_build_strings():
     assert version == gradbuilder.__version__  # bare, as onnxruntime.get_version_string() is
     assert build.startswith(f"gradbuilder {version} on onnxruntime {ort.get_version_string()}; ")
     assert isinstance(providers.has_collective_ops(), bool)
+
+
+def test_cuda_computes_float32_in_float32_unless_tf32_is_allowed(fresh, monkeypatch):
+    """onnxruntime's CUDA provider defaults to TF32 (use_tf32=1); gradbuilder asks for float32,
+    as PyTorch does, unless allow_tf32 or the caller's own use_tf32 option says otherwise."""
+    monkeypatch.setattr(providers, "_works", lambda name: name in (CUDA, CPU))
+    assert providers.resolve_providers([CUDA]) == ([CUDA, CPU], [{"use_tf32": "0"}, {}])
+    assert providers.resolve_providers([CUDA], allow_tf32=True) == ([CUDA, CPU], [{"use_tf32": "1"}, {}])
+    assert providers.resolve_providers([(CUDA, {"use_tf32": 1})]) == ([CUDA, CPU], [{"use_tf32": "1"}, {}])
+    assert providers.resolve_providers([(CUDA, {"use_tf32": 0})], allow_tf32=True)[1][0] == {"use_tf32": "0"}
+    assert providers.resolve_providers(None) == ([CUDA, CPU], [{"use_tf32": "0"}, {}])
+    assert providers.resolve_providers([CPU]) == ([CPU], [{}])

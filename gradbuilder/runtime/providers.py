@@ -240,8 +240,16 @@ def _known_providers() -> list[str]:
 # ---------------------------------------------------------------- resolution
 
 
-def _default_options(name: str) -> dict:
-    """Default options of a plugin provider given to :func:`register_provider_lib`."""
+def tf32_option(allow_tf32: bool) -> dict:
+    """The CUDA provider option that keeps float32 products in float32 (or allows TF32)."""
+    return {"use_tf32": "1" if allow_tf32 else "0"}
+
+
+def _default_options(name: str, allow_tf32: bool = False) -> dict:
+    """Default options of a provider: CUDA's TF32 setting, a plugin provider's options given
+    to :func:`register_provider_lib`."""
+    if name == CUDA:
+        return tf32_option(allow_tf32)
     for registration, lib in _plugin_libs.items():
         if name == registration or name in lib["ep_names"]:
             return dict(lib["defaults"])
@@ -307,8 +315,13 @@ def _expand_registration_names(pairs: list[tuple[str, dict]]) -> list[tuple[str,
     return out
 
 
-def resolve_providers(providers=None, provider_options=None) -> tuple[list[str], list[dict]]:
+def resolve_providers(providers=None, provider_options=None, allow_tf32: bool = False) -> tuple[list[str], list[dict]]:
     """The providers and options a session should use, as two parallel lists.
+
+    float32 means float32: onnxruntime's CUDA provider computes float32 MatMul, Gemm and
+    convolutions in TF32 unless told otherwise (``use_tf32``, on by default there), which
+    PyTorch does only when the user opts in. CUDA gets ``use_tf32=0`` unless ``allow_tf32``
+    (``TrainingParameters.allow_tf32``) or the caller's own ``use_tf32`` option says otherwise.
 
     ``providers=None`` means CUDA when it works here, then the CPU. Otherwise
     ``providers`` takes onnxruntime's forms: names, or ``(name, options)`` pairs, or names
@@ -324,7 +337,7 @@ def resolve_providers(providers=None, provider_options=None) -> tuple[list[str],
         if provider_options is not None:
             raise InvalidArgumentError("provider_options was given without providers; give both")
         names = [CUDA, CPU] if _works(CUDA) else [CPU]
-        return names, [_default_options(n) for n in names]
+        return names, [_default_options(n, allow_tf32) for n in names]
 
     with _lock:
         pairs = _normalize(providers, provider_options)
@@ -359,7 +372,7 @@ def resolve_providers(providers=None, provider_options=None) -> tuple[list[str],
                 )
 
     names = [name for name, _ in usable]
-    options = [{**_default_options(name), **opts} for name, opts in usable]
+    options = [{**_default_options(name, allow_tf32), **opts} for name, opts in usable]
     return names, options
 
 

@@ -94,7 +94,7 @@ class TrainingSession:
         self._sess_options = sess_options or _default_session_options()
         if self._params.deterministic_compute:  # onnxruntime's own choices too (CUDA's convolution algorithms)
             self._sess_options = _providers.options_with(self._sess_options, use_deterministic_compute=True)
-        names, options = _resolve_providers(providers, provider_options)
+        names, options = _resolve_providers(providers, provider_options, self._params.allow_tf32)
         topo = distributed.topology(self._params)  # checked before anything is placed on a device
         if topo is not None:
             options = distributed.one_device_per_process(names, options)
@@ -669,7 +669,7 @@ class TrainingSession:
     def set_providers(self, providers: Sequence | None = None, provider_options: Sequence[dict] | None = None) -> None:
         """Run on other providers: the graphs are loaded again; weights and optimizer state
         move to the new device and are kept."""
-        names, options = _resolve_providers(providers, provider_options)
+        names, options = _resolve_providers(providers, provider_options, self._params.allow_tf32)
         device = _providers.device_of(names, options)
         self._check_precision(device)
         self._graphs.set_providers(names, options, device)
@@ -774,11 +774,11 @@ _BOUND = ("step", "gradients", "accumulate", "optimizer")  # the kinds whose sta
 _CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 
 
-def _resolve_providers(providers, provider_options):
+def _resolve_providers(providers, provider_options, allow_tf32: bool = False):
     """``providers.resolve_providers``, its warnings (a provider not usable here) pointing at
     the user's call."""
     with compat.warnings_at_caller():
-        return _providers.resolve_providers(providers, provider_options)
+        return _providers.resolve_providers(providers, provider_options, allow_tf32)
 
 
 def _default_session_options() -> ort.SessionOptions:

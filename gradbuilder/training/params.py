@@ -11,7 +11,7 @@ type is not trained) and ``set_optimizer_initial_state`` (read back as
 and value rather than by name, its overlap with ``weights_to_train`` can only be found against a
 model and is not checked here.
 
-Five options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
+Six options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
 the default, or "bfloat16") picks the half type of ``use_mixed_precision``; ``memory_budget_mb``
 and ``memory_budget_fraction`` (of the activations the backward would hold) ask the recompute
 planner to fit the activations in a budget (0: none); ``on_nonfinite_step`` says what a
@@ -20,7 +20,8 @@ leaves the state as it was): "skip" (default) warns and counts it, "raise" raise
 ``NonFiniteError``; ``deterministic_compute`` makes every run of a step give the same bits for
 the same inputs and thread count on CUDA too (see ``compiler/passes/race_free_scatter.py``; on
 the CPU the graphs are deterministic already) and sets onnxruntime's
-``use_deterministic_compute``.
+``use_deterministic_compute``; ``allow_tf32`` lets onnxruntime's CUDA provider compute float32
+matrix products in TF32 (off by default: float32 is float32, as in PyTorch).
 
 Unlike ORT, every assignment is checked: types (a bool is not an int and an int is not a bool),
 ranges, contradictions, and options whose pass gradbuilder does not have yet (see
@@ -77,11 +78,12 @@ _ALSO_OFF: dict[str, tuple] = {}
 # gradbuilder's own options beyond onnxruntime-training's: the half-precision type of mixed
 # precision, and the activation-memory budget of the recompute planner (0: no budget).
 EXTENSIONS = ("mixed_precision_dtype", "memory_budget_mb", "memory_budget_fraction", "on_nonfinite_step",
-              "deterministic_compute")
+              "deterministic_compute", "allow_tf32")
 
 # option -> (kind, ORT 1.19 default). Kinds are checked by _check below.
 OPTIONS = {
     "allreduce_post_accumulation": ("bool", False),
+    "allow_tf32": ("bool", False),
     "attn_dropout_recompute": ("bool", False),
     "data_parallel_size": ("count", 1),
     "deepspeed_zero_stage": ("int", 0),
