@@ -282,3 +282,29 @@ def test_output_of_unknown_rank_is_refused_naming_it():
                        [vi("s", [None], TensorProto.INT64)], [vi("loss", [])], [tensor("W", np.ones(3, np.float32))])
     with pytest.raises(InvalidModelError, match=r"output 'r' \(computed by an unnamed Reshape node\) has a rank"):
         GradientGraphBuilder(model, ["W"], ["loss", "r"], "loss").build()
+
+
+def test_max_values_and_indices_as_outputs():
+    """ReduceMax + ArgMax become the values gathered at the indices (PyTorch's gradient); the
+    max's output keeps its name, and the built graph still outputs it (and the indices)."""
+    import onnxruntime as ort
+
+    from gradbuilder import GradientGraphBuilder
+
+    from .helpers import make_model, tensor, vi
+
+    w = np.array([[1.0, 3.0, 3.0], [2.0, 0.5, -1.0]], np.float32)
+    nodes = [helper.make_node("Mul", ["x", "W"], ["y"]),
+             helper.make_node("ReduceMax", ["y", "axes"], ["v"], keepdims=0),
+             helper.make_node("ArgMax", ["y"], ["i"], axis=1, keepdims=0),
+             helper.make_node("ReduceSum", ["v"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [vi("x", [2, 3])], [vi("v", [2]), vi("i", [2], TensorProto.INT64), vi("loss", [])],
+                       [tensor("W", w), tensor("axes", np.array([1], np.int64))], opset=18)
+    built = GradientGraphBuilder(model, weights=["W"], outputs=["v", "i", "loss"], loss="loss").build().get_model()
+    x = np.ones((2, 3), np.float32)
+    v, i, loss, grad = ort.InferenceSession(built, providers=["CPUExecutionProvider"]).run(
+        ["v", "i", "loss", "W_grad"], {"x": x, "W": w})
+    np.testing.assert_array_equal(v, [3.0, 2.0])
+    np.testing.assert_array_equal(i, [1, 0])
+    assert float(loss) == 5.0
+    np.testing.assert_array_equal(grad, [[0, 1, 0], [1, 0, 0]])  # the first of the tied maxima, as PyTorch

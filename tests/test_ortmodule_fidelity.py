@@ -6,10 +6,16 @@ import copy
 import inspect
 import warnings
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
+from gradbuilder.compiler.split import build_split
+from gradbuilder.errors import InvalidModelError
 from gradbuilder.ortmodule import ExportError, ORTModule
+from gradbuilder.ortmodule import runner
 
 from .torch_models import compare_with_torch
 
@@ -380,6 +386,132 @@ def test_gradient_graph_of_an_exported_max_with_indices_matches_pytorch(op, keep
     """ReduceMax and ArgMax of the same input and axis (torch.max(x, dim) exported by the
     TorchScript exporter) take PyTorch's gradient: all of it at the returned index."""
     compare_with_torch(TiedMax(op, keepdim), (torch.ones(3, 4),), ["x"], dynamo=False, opset=opset, rtol=1e-6)
+
+
+MAX, MIN = torch.max, torch.min  # taken before any ORTModule runs, as a module's code may take them
+
+
+class AlongDim(torch.nn.Module):
+    """max or min of ``x * w`` along ``dim``: ``call`` says how the code reaches the operator,
+    ``returns`` what the module returns (values and indices, values, values unpacked from the
+    pair). The rows of ``w`` hold ties."""
+
+    def __init__(self, op, dim, keepdim, call, returns):
+        super().__init__()
+        self.op, self.dim, self.keepdim, self.call, self.returns = op, dim, keepdim, call, returns
+        self.w = torch.nn.Parameter(torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 1.0, 2.0], [1.0, 4.0, 1.0, 4.0]]))
+
+    def forward(self, x):
+        y = x * self.w
+        if self.call == "taken":
+            result = (MAX if self.op == "max" else MIN)(y, dim=self.dim, keepdim=self.keepdim)
+        elif self.call == "torch":
+            result = (torch.max if self.op == "max" else torch.min)(y, self.dim, self.keepdim)
+        else:
+            result = (y.max if self.op == "max" else y.min)(self.dim, keepdim=self.keepdim)
+        if self.returns == "both":
+            return result
+        if self.returns == "values":
+            return result[0]
+        values, _ = result
+        return values * 2
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("dim, keepdim", [(0, True), (1, False), (-1, True), (-2, False)])
+@pytest.mark.parametrize("call, returns", [("taken", "both"), ("taken", "values"), ("torch", "unpacked"),
+                                           ("method", "values")])
+def test_max_and_min_along_a_dim_match_pytorch_with_ties(op, dim, keepdim, call, returns):
+    """Outputs, indices and the gradients of the input and the weight, all of each value's
+    gradient at the returned index (the first of tied values, on CPU)."""
+    ref, om = _pair(AlongDim(op, dim, keepdim, call, returns))
+    x = torch.tensor([1.0, 1.0, 2.0]).repeat(2, 3, 4)[:, :, :4].contiguous()  # more ties
+    runs = []
+    for model in (ref, om):
+        xg = x.clone().requires_grad_()
+        out = model(xg)
+        values = out[0] if returns == "both" else out
+        (values * torch.arange(values.numel()).reshape(values.shape)).sum().backward()
+        runs.append((out, xg.grad, model.w.grad if model is ref else model.module.w.grad))
+    (out_ref, x_ref, w_ref), (out_om, x_om, w_om) = runs
+    if returns == "both":
+        assert type(out_om) is type(out_ref) and torch.equal(out_om.indices, out_ref.indices)
+    torch.testing.assert_close(out_om, out_ref)
+    torch.testing.assert_close(x_om, x_ref)
+    torch.testing.assert_close(w_om, w_ref)
+
+
+@pytest.mark.parametrize("op", [MAX, MIN])
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_max_and_min_of_a_float16_input_return_values_and_indices_as_pytorch(op, dim, keepdim):
+    """A module without parameters returning ``op(x, dim, keepdim)``; the input takes the
+    gradient."""
+
+    class Reduce(torch.nn.Module):
+        def forward(self, x):
+            return op(x, dim=dim, keepdim=keepdim)
+
+    _quiet()
+    x = torch.tensor([1.0, 0.5, 1.0]).repeat(4, 5, 2).to(torch.float16)
+    runs = []
+    for model in (Reduce(), ORTModule(Reduce())):
+        xg = x.clone().requires_grad_()
+        values, indices = model(xg)
+        values.sum().backward()
+        runs.append((values, indices, xg.grad))
+    for ours, theirs in zip(runs[1], runs[0]):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+def test_split_graphs_of_a_max_whose_values_and_indices_are_outputs():
+    """ReduceMax and ArgMax of one input (what the exporter writes for ``torch.max(x, dim)``)
+    become one GatherElements before the split: the forward graph returns it under the
+    ReduceMax output's name, and the gradient goes to the index."""
+    h = onnx.helper
+    nodes = [h.make_node("ReduceMax", ["x"], ["values"], axes=[1], keepdims=0),
+             h.make_node("ArgMax", ["x"], ["indices"], axis=1, keepdims=0)]
+    graph = h.make_graph(nodes, "max", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4])],
+                         [h.make_tensor_value_info("values", onnx.TensorProto.FLOAT, ["n"]),
+                          h.make_tensor_value_info("indices", onnx.TensorProto.INT64, ["n"])])
+    split = build_split(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), ["x"], outputs=["values"])
+    for model in (split.forward, split.backward):
+        onnx.checker.check_model(model)
+    assert split.outputs == ["values", "indices"]
+    x = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 1.0, 2.0]], np.float32)
+    forward = ort.InferenceSession(split.forward.SerializeToString(), providers=["CPUExecutionProvider"])
+    results = dict(zip([o.name for o in forward.get_outputs()], forward.run(None, {"x": x})))
+    np.testing.assert_array_equal(results["values"], [3.0, 2.0])
+    np.testing.assert_array_equal(results["indices"], [1, 0])
+    backward = ort.InferenceSession(split.backward.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {**{n: results[n] for n in split.saved}, **{"x": x}}
+    feeds.update({seed: np.array([1.0, 10.0], np.float32) for seed in split.seeds})
+    feeds = {i.name: feeds[i.name] for i in backward.get_inputs()}
+    (grad,) = backward.run([split.gradients["x"]], feeds)
+    np.testing.assert_array_equal(grad, [[0.0, 1.0, 0.0, 0.0], [10.0, 0.0, 0.0, 0.0]])
+
+
+def test_a_graph_that_fails_onnx_checker_is_refused_before_onnxruntime(monkeypatch):
+    """A graph onnx.checker refuses is never handed to onnxruntime: the error names the graph and
+    the checker's finding; with fallback=True the module runs in PyTorch."""
+    build = runner.build_split
+
+    def broken(*args, **kwargs):
+        split = build(*args, **kwargs)
+        split.forward.graph.output.append(onnx.helper.make_tensor_value_info("dangling", onnx.TensorProto.FLOAT, [1]))
+        return split
+
+    monkeypatch.setattr(runner, "build_split", broken)
+    monkeypatch.setattr(runner, "compile_graph", None)  # not reached
+    x = torch.randn(4, 3)
+    _, om = _pair(Linear())
+    with pytest.raises(InvalidModelError, match=r"ORTModule\(Linear\): the forward graph built for input signature 0 "
+                                                r"fails onnx.checker: .*'dangling'.*fallback=True"):
+        om(x)
+    ref, om = _pair(Linear(), fallback=True)
+    with pytest.warns(RuntimeWarning, match="fails onnx.checker"):
+        out = om(x)
+    torch.testing.assert_close(out, ref(x))
 
 
 # ----------------------------------------------------------------------------- the wrapper is transparent

@@ -128,7 +128,12 @@ class GradientGraphBuilder:
             model, wrt=weights, running_statistics=self.running_statistics,
             unbiased_variance=model.producer_name == "pytorch", mixed_precision=self.mixed_precision,
             cast_propagation=self.cast_propagation, recompute=self.recompute, deterministic=self.deterministic)
+        names = [v.name for v in outputs], loss.name, [v.name for v in stops]
         pipeline.run(pipeline.PREPARE, model, ctx)
+        # A pass that replaces a value (a max's output, gathered at its indices) gives the new
+        # value its name: the outputs and the loss are looked up again by name.
+        values = pipeline.values_by_name(graph)
+        outputs, loss, stops = [values[n] for n in names[0]], values[names[1]], frozenset(values[n] for n in names[2])
         buffers = self._take_buffers(graph, weights, ctx.buffers)
         e = ctx.emitter
         ctx.forward = list(graph)

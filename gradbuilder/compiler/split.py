@@ -100,10 +100,15 @@ def _differentiated(model, wrt: list[str], outputs, stop_gradients: list[str]):
         diff_outputs = [v for v in model_outputs if v.dtype in FLOAT_TYPES]
     else:
         diff_outputs = [values[n] for n in outputs]
+    names = [v.name for v in model_outputs], [v.name for v in diff_outputs]
 
     wrt_values = [inputs[n] for n in wrt]
     ctx = pipeline.Context.of(m, wrt=wrt_values)
     pipeline.run(pipeline.PREPARE, m, ctx)
+    # A pass that replaces a value (a graph output's producer, for one) gives the new value its
+    # name: the outputs and the stop-gradient values are looked up again by name.
+    values = pipeline.values_by_name(graph)
+    model_outputs, diff_outputs = ([values[n] for n in group] for group in names)
     e = ctx.emitter
     forward_ids = {id(n) for n in graph}
 

@@ -10,17 +10,19 @@ included) kept from the traced call. The trace runs under the caller's grad mode
 output that does not require grad in PyTorch (an integer result, a ``detach()``) takes no
 gradient here either.
 
-While tracing, ``_watching`` records what a single exported graph cannot follow: a tensor's
-value handed to Python (``.item()``, ``bool()``, ``int()``, ...) and ``torch.autograd.Function``
-calls, whose forward the exporter keeps and whose backward it drops; and it makes
-``torch.max``/``torch.min`` along a dimension take their values at their indices, so that the
-gradient goes to the index as in PyTorch.
+While tracing, ``_watching`` records a tensor's value handed to Python (``.item()``,
+``bool()``, ``int()``, ...), which a single exported graph cannot follow. The
+``torch.autograd.Function`` classes the call applied, whose forward the exporter keeps and whose
+backward it drops, are read from the traced graph (``_functions``), however the module's code
+reached them.
 
 The exporter drops what cuts a gradient in PyTorch (``detach()`` becomes the identity, a
 ``torch.no_grad()`` block inside the forward leaves no trace). ``_GradientStops`` marks, while
 the forward is traced with grad enabled, every value PyTorch's autograd cuts off: a floating
 result that does not require grad computed from a tensor that does. The marks become
-Identity nodes whose outputs are ``Exported.stop_gradients``.
+Identity nodes whose outputs are ``Exported.stop_gradients``. It also makes
+``torch.max``/``torch.min`` along a dimension take their values at their indices, so that the
+gradient goes to the index as in PyTorch.
 
 Training-mode BatchNormalization also returns its new running statistics (outputs
 ``running/<buffer name>``, ``passes.running_stats.expose_running_statistics``), computed as
@@ -106,6 +108,9 @@ class _Flat(torch.nn.Module):
         stops = _GradientStops(self._watch) if torch.is_grad_enabled() else contextlib.nullcontext()
         with stops:
             out = self.inner(*args, **kwargs)
+        state = torch._C._get_tracing_state()
+        if state is not None:
+            self._watch.functions = _functions(state.graph())
         flat, self.out_spec = pytree.tree_flatten(out)
         distinct: list[torch.Tensor] = []
         self.out_leaves = []
@@ -395,20 +400,14 @@ class _Watch:
 @contextlib.contextmanager
 def _watching(watch: _Watch):
     """Record, into ``watch``, the places where the traced code hands a tensor's value to
-    Python and the ``torch.autograd.Function`` classes it applies; make ``torch.max``/``torch.min``
-    along a dimension return values gathered at their indices.
+    Python.
 
-    The tensor methods that turn a value into a Python object (``_TO_PYTHON``) and
-    ``Function.apply`` (the classmethod every Function subclass calls, unless it overrides
-    ``apply`` without calling it) are replaced on their classes for the duration of the trace; the replacements record only on the tracing
+    The tensor methods that turn a value into a Python object (``_TO_PYTHON``) are replaced on
+    ``torch.Tensor`` for the duration of the trace; the replacements record only on the tracing
     thread (the tracer's state is per thread) and then call the originals. A conversion counts
     when the traced value depends on the values of the graph inputs (the call's tensors,
     parameters, buffers) or on random numbers; one computed from sizes only (``int(x.shape[0])``)
-    does not: other sizes are checked by tracing again (see ``export``).
-
-    The tracer exports ``max(x, dim)`` as ReduceMax (plus ArgMax when the indices are used), whose
-    gradient splits among ties; PyTorch sends the whole gradient to the returned index. Values
-    gathered at the indices (ArgMax and GatherElements) have PyTorch's gradient."""
+    does not: other sizes are checked by tracing again (see ``export``)."""
     def conversion(name, original):
         def method(self, *args, **kwargs):
             if torch._C._get_tracing_state() is not None and _reads_values(self):
@@ -416,16 +415,7 @@ def _watching(watch: _Watch):
             return original(self, *args, **kwargs)
         return method
 
-    def apply(cls, *args, **kwargs):
-        if torch._C._get_tracing_state() is not None and cls is not _StopGradient:
-            watch.functions.append(f"{cls.__module__}.{cls.__qualname__} (applied at {_where(sys._getframe(1))})")
-        return original_apply.__func__(cls, *args, **kwargs)
-
-    original_apply = torch.autograd.Function.__dict__["apply"]
-    replaced = [(torch.autograd.Function, "apply", classmethod(apply))]
-    replaced += [(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name))) for name in _TO_PYTHON]
-    replaced += [(owner, name, _indexed(getattr(owner, name)))
-                 for owner in (torch, torch.Tensor) for name in ("max", "min")]
+    replaced = [(torch.Tensor, name, conversion(name, getattr(torch.Tensor, name))) for name in _TO_PYTHON]
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replaced]
     try:
         for owner, name, value in replaced:
@@ -439,19 +429,67 @@ def _watching(watch: _Watch):
                 setattr(owner, name, value)
 
 
-def _indexed(reduce):
-    """``reduce`` (max or min) whose values, along a dimension, are gathered at its indices."""
-    def call(x, *args, **kwargs):
-        result = reduce(x, *args, **kwargs)
-        if (not isinstance(result, tuple) or torch._C._get_tracing_state() is None or x.dim() == 0
-                or "out" in kwargs):
-            return result  # the whole tensor, elementwise, into given tensors, or not tracing
-        values, indices = result
-        dim = kwargs.get("dim", args[0] if args else None)
-        picked = indices if values.dim() == x.dim() else indices.unsqueeze(dim)
-        gathered = x.gather(dim, picked)
-        return type(result)((gathered if values.dim() == x.dim() else gathered.squeeze(dim), indices))
-    return call
+def _functions(graph) -> list[str]:
+    """The ``torch.autograd.Function`` classes applied in the traced ``graph`` (its
+    ``prim::PythonOp`` nodes, in nested blocks and in Functions' own subgraphs too), outermost
+    first, each with the place that applied it; ``_StopGradient`` is ours and left out."""
+    found: dict[str, None] = {}
+
+    def visit(block):
+        for node in block.nodes():
+            if node.kind() == "prim::PythonOp":
+                cls = getattr(node.pyobj(), "__self__", None)
+                if cls is not _StopGradient:
+                    name = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else node.pyname()
+                    found[f"{name} (applied at {_traced_at(node)})"] = None
+                if "Subgraph" in node.attributeNames():
+                    visit(node.g("Subgraph"))
+            for inner in node.blocks():
+                visit(inner)
+
+    visit(graph)
+    return list(found)
+
+
+_FRAME = re.compile(r"^(.*)\((\d+)\): (\S+)$")
+
+
+def _traced_at(node) -> str:
+    """file:line that applied a traced node, from the Python stack the tracer recorded with it,
+    chosen as ``_where`` chooses."""
+    first = None
+    for line in node.sourceRange().splitlines():
+        frame = _FRAME.match(line.strip())
+        if frame is None:
+            continue
+        file, lineno, function = frame.groups()
+        if file == _Flat.forward.__code__.co_filename and function == "forward":
+            break  # the traced call itself
+        path = os.path.abspath(file)
+        if not path.startswith(_PACKAGE_DIR):
+            first = first or f"{file}:{lineno}"
+            if not path.startswith(_TORCH_DIR):
+                return f"{file}:{lineno}"
+    return first or "an unknown place"
+
+
+# max and min: along a dimension they return (values, indices)
+_WITH_INDICES = frozenset({torch.max, torch.min, torch.Tensor.max, torch.Tensor.min})
+
+
+def _at_indices(args, kwargs, result):
+    """The ``(values, indices)`` of max or min along a dimension with the values gathered at
+    the indices; any other ``result`` as it is. The tracer exports the values as ReduceMax,
+    whose gradient splits among ties, where PyTorch sends the whole gradient to the returned
+    index: values gathered at the indices (ArgMax and GatherElements) have PyTorch's gradient."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(result, tuple) or not isinstance(x, torch.Tensor) or x.dim() == 0 or "out" in kwargs:
+        return result  # the whole tensor, elementwise, or into given tensors
+    values, indices = result
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    picked = indices if values.dim() == x.dim() else indices.unsqueeze(dim)
+    gathered = x.gather(dim, picked)
+    return type(result)((gathered if values.dim() == x.dim() else gathered.squeeze(dim), indices))
 
 
 class _StopGradient(torch.autograd.Function):
@@ -484,7 +522,9 @@ class _GradientStops(TorchFunctionMode):
     (``buffer.copy_(y)``) reads marks of the tensors that require grad. Recorded in
     ``watch.in_place`` instead: one of a tensor that requires grad (PyTorch's gradient does not
     see it), and one of a view from a tensor that requires grad (the mark would come between
-    the view and the write, and the exporter drops such a write).
+    the view and the write, and the exporter drops such a write). ``torch.max``/``torch.min``
+    along a dimension return their values gathered at their indices (``_at_indices``), however
+    the module's code reached them.
 
     ``t.data`` is traced as ``t.detach()`` (the tracer would keep its value as a constant).
     A Python function that handles the mode itself (``F.multi_head_attention_forward``) is one
@@ -533,6 +573,8 @@ class _GradientStops(TorchFunctionMode):
                 torch.Tensor, lambda t: mark(t.detach()) if t.requires_grad else t, (args, kwargs))
             return func(*args, **kwargs)
         result = func(*args, **kwargs)
+        if func in _WITH_INDICES:
+            result = _at_indices(args, kwargs, result)
         for t in changed:  # detach_()
             if cut(t):
                 torch._C._set_value_trace(t, torch._C._get_value_trace(mark(t)))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import collections
 
+import onnx
 import onnxruntime as ort
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..errors import InvalidModelError
 from ..runtime import providers as _providers
 from ..runtime.dlpack import to_ort, to_torch
 from ..runtime.graphs import STOP_SPINNING
@@ -28,7 +30,9 @@ def _providers_for(device: torch.device):
         # onnxruntime works on PyTorch's current stream, so that each sees the other's writes
         # in order without a synchronization.
         stream = torch.cuda.current_stream(index).cuda_stream
-        options = {"device_id": str(index), "has_user_compute_stream": "1", "user_compute_stream": str(stream)}
+        options = {"device_id": str(index), "has_user_compute_stream": "1", "user_compute_stream": str(stream),
+                   # float32 products in TF32 exactly when PyTorch computes them so
+                   **_providers.tf32_option(torch.backends.cuda.matmul.allow_tf32)}
         return ["CUDAExecutionProvider", "CPUExecutionProvider"], [options, {}], ("cuda", index)
     return ["CPUExecutionProvider"], [{}], ("cpu", 0)
 
@@ -68,9 +72,11 @@ class Compiled:
             saved_files = saved_files if saved_files is not None else collections.Counter()
             saved_files[self.mode] += 1
             self._save(debug, saved_files[self.mode], forward, backward)
-        self.forward_graph = compile_graph(forward.SerializeToString(), so, providers, options, self.ort_device)
+        self.forward_graph = compile_graph(_checked(forward, "forward", number), so, providers, options,
+                                           self.ort_device)
         self.backward_graph = (None if backward is None else
-                               compile_graph(backward.SerializeToString(), so, providers, options, self.ort_device))
+                               compile_graph(_checked(backward, "backward", number), so, providers, options,
+                                             self.ort_device))
         self.forward_inputs = list(self.forward_graph.inputs)
         if backward is not None:
             self.backward_inputs = list(self.backward_graph.inputs)
@@ -108,6 +114,27 @@ class Compiled:
 
     def backward(self, feeds: dict[str, ort.OrtValue]) -> dict[str, ort.OrtValue]:
         return self.backward_graph.run({n: feeds[n] for n in self.backward_inputs})
+
+
+def _checked(model: onnx.ModelProto, which: str, number: int) -> bytes:
+    """``model`` serialized, once onnx.checker (its structural check) passed it: a graph it
+    refuses is never handed to onnxruntime. The checker wants a shape on every graph input and
+    output, which onnxruntime does not (a saved value of unknown rank): those are checked with
+    an empty one."""
+    data = checked = model.SerializeToString()
+    if any(v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
+           for v in (*model.graph.input, *model.graph.output)):
+        copy = onnx.ModelProto.FromString(data)
+        for v in (*copy.graph.input, *copy.graph.output):
+            if v.type.HasField("tensor_type"):
+                v.type.tensor_type.shape.SetInParent()
+        checked = copy.SerializeToString()
+    try:
+        onnx.checker.check_model(checked)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        raise InvalidModelError(f"the {which} graph built for input signature {number} fails onnx.checker: "
+                                f"{str(exc).strip().splitlines()[0]}") from exc
+    return data
 
 
 class ORTFunction(torch.autograd.Function):
