@@ -1,4 +1,4 @@
-"""Recurrent layers RNN, GRU and LSTM: backpropagation through time, unrolled over the steps.
+"""Recurrent layers RNN, GRU and LSTM: backpropagation through time, a Scan over the steps.
 
 Notation (layout 0; layout 1 is transposed in and out): X [T, N, I], W [D, G*H, I],
 R [D, G*H, H], B = [Wb, Rb] [D, 2*G*H], initial_h / initial_c [D, N, H], P [D, 3*H],
@@ -6,11 +6,11 @@ Y [T, D, N, H], Y_h / Y_c [D, N, H]; G = 1 (RNN), 3 (GRU, gates z r h), 4 (LSTM,
 
 The backward graph works in *processing order*: every per-step tensor is stacked as
 [T, D, N, .] with step k of the reverse direction being time T-1-k, so both directions of a
-bidirectional layer share one unrolled loop. The hidden state entering step k (Hp) comes
+bidirectional layer share one loop over the steps. The hidden state entering step k (Hp) comes
 from the forward node's Y output (re-computed by a second node of the same op when the
 forward node has no Y output); all gate pre-activations are then recomputed at once with
-one MatMul each, only the LSTM cell state needs a sequential recurrence. The loop over the
-steps carries dS = dL/dH_k (and dCS = dL/dC_k), per step k from the last to the first:
+one MatMul each, only the LSTM cell state needs a sequential recurrence (a forward Scan).
+A reverse Scan carries dS = dL/dH_k (and dCS = dL/dC_k), per step k from the last to the first:
 
     dHn   = m_k (dS + dY_k)                 gradient of the step's new state
     da    = gate pre-activation gradients   (cell-specific, below)
@@ -22,11 +22,15 @@ Y = 0; a zero length gives Y_h = Y_c = 0 as onnxruntime does). Then, over all st
     dX = sum_d da @ W,   dW = sum_k da_k^T x_k,   dR = sum_k da_k^T h_{k-1},
     dB = [sum da, sum da_R],   d initial_h = dS (after the first step).
 
+Each cell writes one step of its recurrences as a function of that step's values, the body
+of the Scan. The sequence length is read at run time, so it may be symbolic or unknown to
+shape inference, and one graph serves every length.
+
 ``clip`` clips every gate pre-activation (not the cell state), so its derivative is the
 mask |a| <= clip. Activations take alpha/beta in order, only the ones that use them
 (Affine, LeakyRelu, ThresholdedRelu, ScaledTanh, HardSigmoid, Elu), with onnxruntime's
 defaults when the lists run out (LeakyRelu 0.01, HardSigmoid 0.2/0.5, Elu 1.0, others 0).
-The sequence length must be static; sequence_lens (int) gets no gradient.
+sequence_lens (int) gets no gradient.
 """
 
 from __future__ import annotations
@@ -143,9 +147,25 @@ def _transposed(e, v, rank=3):
     return e.Transpose(v, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
 
 
-class _Unrolled:
-    """The forward quantities of one recurrent node in processing order, and the shared
-    steps of its backward pass (the cell-specific parts are the functions below)."""
+def _masked(e, v, m):
+    """m_k v: nothing flows into the steps past a sequence's length."""
+    return v if v is None or m is None else e.Mul(v, m)
+
+
+def _carried(e, v, keep, old):
+    """v + (1 - m_k) old: the state passes unchanged through the masked steps (keep = 1 - m_k)."""
+    return v if keep is None else e.Add(v, e.Mul(old, keep))
+
+
+def _kept(e, mask, new, old):
+    """The step's new state inside a sequence, the old one past its length."""
+    return new if mask is None else e.Where(mask, new, old)
+
+
+class _Recurrence:
+    """The forward quantities of one recurrent node in processing order, the Scan over its
+    steps, and the shared parts of its backward pass (the cell-specific parts are the
+    functions below)."""
 
     def __init__(self, n, e):
         self.n, self.e = n, e
@@ -162,52 +182,38 @@ class _Unrolled:
         self.clip = attr(n, "clip", None)
         self.acts = _activations(n, self.D)
         self.G = _GATES[self.op]
-
-        dims = dims_of(self.X)
         axis = 1 if self.layout else 0
-        T = dims[axis] if dims is not None and len(dims) == 3 else None
-        if not isinstance(T, int):
-            raise GradientRuleError(
-                f"{self.op}: backpropagation through time is unrolled over the steps and needs a static "
-                f"sequence length, but X's sequence axis (axis {axis}, layout={self.layout}) has "
-                f"dim {T!r} (X dims {dims}). Give the model a fixed sequence length (e.g. export with a "
-                f"static shape) or fix it with shape inference")
-        self.T = T
+        self.T = e.squeeze(e.shape(self.X, axis, axis + 1), [0])  # the sequence length, at run time
 
         # layout-0 forward values
         self.X0 = self.relayout(self.X, [1, 0, 2])
-        self.h0 = self.relayout(h0, [1, 0, 2])
-        self.c0 = self.relayout(c0, [1, 0, 2])
-        self.Y0 = self._hidden_states()
+        self.Y0 = self._hidden_states(self.relayout(h0, [1, 0, 2]), self.relayout(c0, [1, 0, 2]))
 
         # mask of the steps inside each sequence, [T, D|1, N, 1] in processing order
         self.mask = self.mf = self.omf = None
         if self.seq is not None:
-            steps = e.const(np.arange(T, dtype=np.int64).reshape(T, 1))
             lengths = e.Cast(self.seq, to=int(ir.DataType.INT64))
-            valid = e.Less(steps, lengths)  # [T, N]
+            steps = e.Range(self.int(0), self.T, self.int(1))
+            valid = e.Less(e.unsqueeze(steps, [1]), lengths)  # [T, N]
             self.mask = self.proc(e.unsqueeze(valid, [1, 3]), shared=True)
             self.mf = e.CastLike(self.mask, self.X)
             self.omf = e.Sub(self.scalar(1.0), self.mf)
-            nonempty = e.Greater(lengths, e.const(np.array(0, np.int64)))
-            self.nonempty = e.CastLike(e.unsqueeze(nonempty, [0, 1, 3]), self.X)  # [1, 1, N, 1]
+            nonempty = e.Greater(lengths, self.int(0))
+            self.nonempty = e.CastLike(e.unsqueeze(nonempty, [0, 2]), self.X)  # [1, N, 1]
 
         # inputs and states in processing order
         self.Xp = self.proc(e.unsqueeze(self.X0, [1]), shared=True)  # [T, D|1, N, I]
         self.Yp = self.proc(self.Y0)  # [T, D, N, H]
-        self._zeros = None
-        self.h0u = e.unsqueeze(self.h0, [0]) if self.h0 is not None else self.zeros
-        if self.op == "LSTM":
-            self.c0u = e.unsqueeze(self.c0, [0]) if self.c0 is not None else self.zeros
-        if T == 1:
-            self.Hp = self.h0u
-        else:
-            prev = e.op("Slice", self.Yp, e.ints([0]), e.ints([T - 1]), e.ints([0]))
-            if self.mask is not None and self.h0 is not None and self.direction != "forward":
-                # a reversed shorter sequence starts from initial_h at its own last step
-                maskprev = e.op("Slice", self.mask, e.ints([0]), e.ints([T - 1]), e.ints([0]))
-                prev = e.Where(maskprev, prev, self.h0u)
-            self.Hp = e.Concat(self.h0u, prev, axis=0)  # state entering each step
+        self.zeros = e.zeros_like(e.Gather(self.Yp, self.int(0), axis=0))  # one step of the state, [D, N, H]
+        self.h0 = self.relayout(h0, [1, 0, 2]) if h0 is not None else self.zeros
+        self.c0 = self.relayout(c0, [1, 0, 2]) if c0 is not None else self.zeros
+        prev = e.op("Slice", self.Yp, e.ints([0]), e.ints([-1]), e.ints([0]))
+        h0u = e.unsqueeze(self.h0, [0])
+        if self.mask is not None and h0 is not None and self.direction != "forward":
+            # a reversed shorter sequence starts from initial_h at its own last step
+            maskprev = e.op("Slice", self.mask, e.ints([0]), e.ints([-1]), e.ints([0]))
+            prev = e.Where(maskprev, prev, h0u)
+        self.Hp = e.Concat(h0u, prev, axis=0)  # state entering each step
 
         # weights: W^T, R^T [D, I|H, G*H]; biases [D, 1, G*H]
         self.Wt = _transposed(e, self.W)
@@ -216,19 +222,13 @@ class _Unrolled:
             self.Wb, self.Rb = (e.unsqueeze(b, [1]) for b in e.split(self.B, 2, 1))
         else:
             self.Wb = self.Rb = None
-        self._steps = {}
-
-    @property
-    def zeros(self):
-        """Zeros shaped like one step of the state, [1, D, N, H]."""
-        if self._zeros is None:
-            first = self.e.op("Slice", self.Yp, self.e.ints([0]), self.e.ints([1]), self.e.ints([0]))
-            self._zeros = self.e.zeros_like(first)
-        return self._zeros
 
     # layouts and processing order -------------------------------------------------------
     def scalar(self, v):
         return self.e.scalar(v, like=self.X)
+
+    def int(self, v):
+        return self.e.const(np.array(v, np.int64))
 
     def relayout(self, v, perm):
         """``v`` transposed by ``perm`` between layout 1 and layout 0 (as is with layout 0)."""
@@ -238,7 +238,8 @@ class _Unrolled:
 
     def flip(self, v):
         """``v`` with its steps (axis 0) in reverse order."""
-        return self.e.Gather(v, self.e.ints(list(range(self.T - 1, -1, -1))), axis=0)
+        e = self.e
+        return e.Gather(v, e.Range(e.Sub(self.T, self.int(1)), self.int(-1), self.int(-1)), axis=0)
 
     def proc(self, v, shared=False):
         """[T, D, ...] in time order -> processing order (the reverse direction's steps flipped).
@@ -252,30 +253,59 @@ class _Unrolled:
         fwd, bwd = self.e.split(v, 2, 1)
         return self.e.Concat(fwd, self.flip(bwd), axis=1)
 
-    def steps(self, v):
-        """The T per-step slices [1, ...] of a stacked [T, ...] tensor."""
-        if v is None:
-            return [None] * self.T
-        if v not in self._steps:
-            self._steps[v] = self.e.split(v, self.T, 0)
-        return self._steps[v]
-
-    def stack(self, items):
-        return items[0] if len(items) == 1 else self.e.Concat(*items, axis=0)
-
-    def _hidden_states(self):
+    def _hidden_states(self, h0, c0):
         """Y in layout 0, from the node's Y output or from a second node that computes it."""
         e = self.e
         y = self.n.outputs[0] if self.n.outputs else None
         if y is not None and y.name:
             return self.relayout(y, [1, 2, 0, 3])
         attrs = {k: ir.Attr(a.name, a.type, a.value) for k, a in self.n.attributes.items() if k != "layout"}
-        ins = [self.X0, self.W, self.R, self.B, self.seq, self.h0]
+        ins = [self.X0, self.W, self.R, self.B, self.seq, h0]
         if self.op == "LSTM":
-            ins += [self.c0, self.P]
+            ins += [c0, self.P]
         while ins and ins[-1] is None:
             ins.pop()
         return e.op(self.op, *ins, outputs=1, **attrs)
+
+    # the loop over the steps ------------------------------------------------------------
+    def scan(self, step, states, xs, reverse=False):
+        """A Scan running ``step(e, *states, *x_k) -> (new states, per-step outputs)`` over the
+        steps in processing order (from the last with ``reverse``), its nodes emitted by ``e``
+        into the body. ``states``: [D, N, H] (None: zeros); ``xs``: stacked [T, ...] per-step
+        values, each step [D|1, N, .] (None: absent, passed on as None). Returns (final states,
+        per-step outputs stacked [T, ...])."""
+        e = self.e
+        dtype = self.X.dtype or self.W.dtype
+        states = [s if s is not None else self.zeros for s in states]
+        scanned = [x for x in xs if x is not None]
+
+        def body_input(v, stacked):
+            """A body input typed like ``v`` (like one step of it when ``stacked``), of rank 3."""
+            dims = dims_of(v)
+            dims = dims[1:] if dims is not None and stacked else dims
+            shape = ir.Shape(dims if dims is not None and len(dims) == 3 else [None] * 3)
+            return ir.Value(name=e.unique(f"{self.op}_step"), type=ir.TensorType(v.dtype or dtype), shape=shape)
+
+        state_ins = [body_input(s, False) for s in states]
+        x_ins = [body_input(x, True) for x in scanned]
+        g = ir.Graph(state_ins + x_ins, [], nodes=[], name=e.unique(f"{self.op}_steps"))
+        sub = e.child(g)
+        given = iter(x_ins)
+        new_states, outs = step(sub, *state_ins, *(None if x is None else next(given) for x in xs))
+        outputs = []
+        for v in [*new_states, *outs]:
+            if v.producer() is None or v.producer().graph is not g or v in outputs:
+                v = sub.Identity(v)  # a body output is produced inside the body
+            e.typed(v, dtype, [None] * 3)  # onnxruntime's Scan needs the rank of every body output
+            outputs.append(v)
+        g.outputs.extend(outputs)
+        results = e.op("Scan", *states, *scanned, outputs=len(outputs), body=g, num_scan_inputs=len(scanned),
+                       scan_input_directions=[1] * len(scanned) if reverse else None,
+                       scan_output_directions=[1] * len(outs) if reverse else None)
+        results = list(results) if isinstance(results, tuple) else [results]
+        for v in results:
+            e.typed(v, dtype, None)
+        return results[:len(states)], results[len(states):]
 
     # gates ------------------------------------------------------------------------------
     def gates_x(self):
@@ -291,30 +321,31 @@ class _Unrolled:
     def gate_split(self, v):
         return self.e.split(v, self.G, -1) if self.G > 1 else [v]
 
-    def _per_direction(self, fn, slot, x):
+    def _per_direction(self, e, fn, slot, x):
+        """fn(activation, x) with each direction's activation (the direction axis is -3)."""
         acts = [self.acts[d][slot] for d in range(self.D)]
         if self.D == 1 or acts[0] == acts[1]:
             return fn(acts[0], x)
-        parts = [fn(act, xd) for act, xd in zip(acts, self.e.split(x, 2, 1))]
+        parts = [fn(act, xd) for act, xd in zip(acts, e.split(x, 2, -3))]
         if isinstance(parts[0], tuple):
-            return tuple(self.e.Concat(*ps, axis=1) for ps in zip(*parts))
-        return self.e.Concat(*parts, axis=1)
+            return tuple(e.Concat(*ps, axis=-3) for ps in zip(*parts))
+        return e.Concat(*parts, axis=-3)
 
-    def _clipped(self, a):
+    def _clipped(self, e, a):
         if self.clip is None:
             return a
-        return self.e.Clip(a, self.scalar(-float(self.clip)), self.scalar(float(self.clip)))
+        return e.Clip(a, e.scalar(-float(self.clip), like=a), e.scalar(float(self.clip), like=a))
 
-    def activate(self, a, slot):
-        """f(clip(a)) for activation slot ``slot`` (forward only)."""
-        return self._per_direction(lambda act, x: _act_forward(self.e, act, self._clipped(x)), slot, a)
+    def activate(self, e, a, slot):
+        """f(clip(a)) for activation slot ``slot``, emitted by ``e`` (a step's, in a Scan body)."""
+        return self._per_direction(e, lambda act, x: _act_forward(e, act, self._clipped(e, x)), slot, a)
 
     def activate_with_derivative(self, a, slot):
-        """(f(clip(a)), d f(clip(a)) / da)."""
+        """(f(clip(a)), d f(clip(a)) / da), for every step at once."""
         e = self.e
 
         def both(act, x):
-            xc = self._clipped(x)
+            xc = self._clipped(e, x)
             y = _act_forward(e, act, xc)
             d = _act_derivative(e, act, xc, y)
             if self.clip is not None:
@@ -322,29 +353,17 @@ class _Unrolled:
                 d = e.Mul(d, e.CastLike(inside, x))
             return y, d
 
-        return self._per_direction(both, slot, a)
+        return self._per_direction(e, both, slot, a)
 
     # backward-pass pieces ---------------------------------------------------------------
     def final_state_grad(self, dy):
-        """dL/d(final state) as [1, D, N, H] (zero for empty sequences)."""
+        """dL/d(final state) as [D, N, H] (zero for empty sequences)."""
         if dy is None:
             return None
-        g = self.e.unsqueeze(self.relayout(dy, [1, 0, 2]), [0])
+        g = self.relayout(dy, [1, 0, 2])
         if self.seq is not None:
             g = self.e.Mul(g, self.nonempty)
         return g
-
-    def masked(self, v, k):
-        """m_k v: nothing flows into the steps past a sequence's length."""
-        if v is None or self.mf is None:
-            return v
-        return self.e.Mul(v, self.steps(self.mf)[k])
-
-    def carried(self, v, k, old):
-        """v + (1 - m_k) old: the state passes unchanged through the masked steps."""
-        if old is None or self.omf is None:
-            return v
-        return self.e.add(v, self.e.Mul(old, self.steps(self.omf)[k]))
 
     def input_grads(self, needs, dA, dR_parts, dRb, dS, extra=()):
         """Gradients of X, W, R, B, sequence_lens, initial_h (+ initial_c, P)."""
@@ -363,7 +382,7 @@ class _Unrolled:
             dB = e.Concat(e.reduce("ReduceSum", dA, [0, 2], keepdims=False),
                           e.reduce("ReduceSum", dRb, [0, 2], keepdims=False), axis=1)
         if len(needs) > 5 and needs[5]:
-            dh0 = self.relayout(e.squeeze(dS if dS is not None else self.zeros, [0]), [1, 0, 2])
+            dh0 = self.relayout(dS, [1, 0, 2])
         return [dX, dW, dR, dB, None, dh0, *extra][:len(needs)]
 
 
@@ -371,25 +390,25 @@ class _Unrolled:
 
 
 def _output_grads(u, dys):
+    """dY stacked [T, D, N, H] in processing order, d Y_h and d Y_c as [D, N, H] (or None)."""
     dys = list(dys) + [None] * (3 - len(dys))
     dY = u.proc(u.relayout(dys[0], [1, 2, 0, 3]))
-    return u.steps(dY), u.final_state_grad(dys[1]), u.final_state_grad(dys[2])
+    return dY, u.final_state_grad(dys[1]), u.final_state_grad(dys[2])
 
 
 @register("RNN")
 def rnn(n, dys, needs, e):
     """H_k = f(a_k), a_k = x_k W^T + H_{k-1} R^T + Wb + Rb (clipped):
     da_k = m_k (dS + dY_k) f'(a_k);  dS <- da_k R + (1 - m_k) dS."""
-    u = _Unrolled(n, e)
+    u = _Recurrence(n, e)
     dY, dS, _ = _output_grads(u, dys)
-    a = e.Add(u.gates_x(), u.gates_h())
-    _, fd = u.activate_with_derivative(a, 0)
-    das = [None] * u.T
-    for k in reversed(range(u.T)):
-        dHn = u.masked(e.add(dS, dY[k]), k)
-        das[k] = e.Mul(dHn, u.steps(fd)[k])
-        dS = u.carried(e.MatMul(das[k], u.R), k, dS)
-    dA = u.stack(das)
+    _, fd = u.activate_with_derivative(e.Add(u.gates_x(), u.gates_h()), 0)
+
+    def step(e, dS, dY, m, keep, fd):
+        da = e.Mul(_masked(e, e.add(dS, dY), m), fd)
+        return [_carried(e, e.MatMul(da, u.R), keep, dS)], [da]
+
+    (dS,), (dA,) = u.scan(step, [dS], [dY, u.mf, u.omf, fd], reverse=True)
     return u.input_grads(needs, dA, [(dA, u.Hp)], dA, dS)
 
 
@@ -402,7 +421,7 @@ def gru(n, dys, needs, e):
       linear_before_reset: dr = dah (H_{k-1} Rh^T + Rbh), dS <- dHn z + [daz, dar, dah r] R
       otherwise:           dr = (dah Rh) H_{k-1},         dS <- dHn z + [daz, dar] Rzr + (dah Rh) r
     (+ (1 - m_k) dS); dR takes [daz, dar, dah r]^T H_{k-1}, or [daz, dar]^T H_{k-1} and dah^T (r H_{k-1})."""
-    u = _Unrolled(n, e)
+    u = _Recurrence(n, e)
     lbr = attr(n, "linear_before_reset", 0)
     dY, dS, _ = _output_grads(u, dys)
     xz, xr, xh = u.gate_split(u.gates_x())
@@ -424,27 +443,24 @@ def gru(n, dys, needs, e):
     Qh = e.Mul(e.Sub(u.scalar(1.0), z), hd)  # dah = dHn * Qh
     Qz = e.Mul(e.Sub(u.Hp, h), zd)  # daz = dHn * Qz
 
-    das, dRs = [None] * u.T, [None] * u.T
-    for k in reversed(range(u.T)):
-        dHn = u.masked(e.add(dS, dY[k]), k)
-        dah = e.Mul(dHn, u.steps(Qh)[k])
-        daz = e.Mul(dHn, u.steps(Qz)[k])
-        direct = e.Mul(dHn, u.steps(z)[k])
+    def step(e, dS, dY, m, keep, Qh, Qz, z, Qr, r):
+        dHn = _masked(e, e.add(dS, dY), m)
+        dah = e.Mul(dHn, Qh)
+        daz = e.Mul(dHn, Qz)
+        direct = e.Mul(dHn, z)
         if lbr:
-            dar = e.Mul(dah, u.steps(Qr)[k])
-            das[k] = e.Concat(daz, dar, dah, axis=-1)
-            dRs[k] = e.Concat(daz, dar, e.Mul(dah, u.steps(r)[k]), axis=-1)
-            dS_new = e.Add(direct, e.MatMul(dRs[k], u.R))
-        else:
-            drH = e.MatMul(dah, Rh)
-            dar = e.Mul(drH, u.steps(Qr)[k])
-            dzr = e.Concat(daz, dar, axis=-1)
-            das[k] = e.Concat(dzr, dah, axis=-1)
-            dS_new = e.Add(e.Add(direct, e.Mul(drH, u.steps(r)[k])), e.MatMul(dzr, Rzr))
-        dS = u.carried(dS_new, k, dS)
-    dA = u.stack(das)
+            dar = e.Mul(dah, Qr)
+            daR = e.Concat(daz, dar, e.Mul(dah, r), axis=-1)
+            return [_carried(e, e.Add(direct, e.MatMul(daR, u.R)), keep, dS)], [e.Concat(daz, dar, dah, axis=-1), daR]
+        drH = e.MatMul(dah, Rh)
+        dzr = e.Concat(daz, e.Mul(drH, Qr), axis=-1)
+        dS_new = e.Add(e.Add(direct, e.Mul(drH, r)), e.MatMul(dzr, Rzr))
+        return [_carried(e, dS_new, keep, dS)], [e.Concat(dzr, dah, axis=-1)]
+
+    (dS,), outs = u.scan(step, [dS], [dY, u.mf, u.omf, Qh, Qz, z, Qr, r], reverse=True)
+    dA = outs[0]
     if lbr:
-        dAR = u.stack(dRs)
+        dAR = outs[1]
         return u.input_grads(needs, dA, [(dAR, u.Hp)], dAR, dS)
     dz, dr, dh = u.gate_split(dA)
     return u.input_grads(needs, dA, [(e.Concat(dz, dr, axis=-1), u.Hp), (dh, rH)], dA, dS)
@@ -455,10 +471,10 @@ def lstm(n, dys, needs, e):
     """i = f(ai + Pi C_{k-1}), f_ = f(af + Pf C_{k-1}) (or 1 - i with input_forget), c = g(ac),
     C_k = f_ C_{k-1} + i c, o = f(ao + Po C_k), H_k = o h(C_k). Per step, with
     dHn = m_k (dS + dY_k): dao = dHn h(C) f', dC = m_k dCS + dHn o h'(C) + dao Po,
-    dai = dC (c - [C_{k-1} with input_forget]) f', daf = dC C_{k-1} f', dac = dC i g';
-    dS <- [dai, dao, daf, dac] R + (1 - m_k) dS,
+    dai = dC (c - [C_{k-1} with input_forget]) f', daf = dC C_{k-1} f' (0 with input_forget),
+    dac = dC i g'; dS <- [dai, dao, daf, dac] R + (1 - m_k) dS,
     dCS <- dC f_ + dai Pi + daf Pf + (1 - m_k) dCS;  dP = sum [dai C_{k-1}, dao C_k, daf C_{k-1}]."""
-    u = _Unrolled(n, e)
+    u = _Recurrence(n, e)
     forget = attr(n, "input_forget", 0)
     dY, dS, dCS = _output_grads(u, dys)
     Ai, Ao, Af, Ac = u.gate_split(e.Add(u.gates_x(), u.gates_h()))
@@ -467,34 +483,29 @@ def lstm(n, dys, needs, e):
     if u.P is not None:
         pi, po, pf = (e.unsqueeze(p, [1]) for p in e.split(u.P, 3, 1))  # [D, 1, H]
 
-    def input_forget_gates(ai, af, derivatives):
-        """(i, f_) or ((i, i'), (f_, f_')): f_ = 1 - i with input_forget."""
-        act = u.activate_with_derivative if derivatives else u.activate
-        i = act(ai, 0)
-        if not forget:
-            return i, act(af, 0)
-        i_value = i[0] if derivatives else i
-        fg = e.Sub(u.scalar(1.0), i_value)
-        return i, ((fg, None) if derivatives else fg)
+    def input_forget_gates(ai, af):
+        """((i, i'), (f_, f_')) for every step at once: f_ = 1 - i with input_forget."""
+        i = u.activate_with_derivative(ai, 0)
+        return i, ((e.Sub(u.scalar(1.0), i[0]), None) if forget else u.activate_with_derivative(af, 0))
 
-    # the cell states, sequentially (with peepholes i and f_ depend on C_{k-1})
+    # the cell states, sequentially: C_{k-1} and the step's new C_k
     if pi is None:
-        (i, idv), (fg, fdv) = input_forget_gates(Ai, Af, True)
-        ig = e.Mul(i, g)
-    state, prevs, news = u.c0u, [], []
-    for k in range(u.T):
-        prevs.append(state)
-        if pi is None:
-            new = e.Add(e.Mul(u.steps(fg)[k], state), u.steps(ig)[k])
-        else:
-            ik, fk = input_forget_gates(e.Add(u.steps(Ai)[k], e.Mul(pi, state)),
-                                        e.Add(u.steps(Af)[k], e.Mul(pf, state)), False)
-            new = e.Add(e.Mul(fk, state), e.Mul(ik, u.steps(g)[k]))
-        news.append(new)
-        state = new if u.mask is None else e.Where(u.steps(u.mask)[k], new, state)
-    Cp, Cn = u.stack(prevs), u.stack(news)  # C_{k-1}, and the step's new C_k
-    if pi is not None:
-        (i, idv), (fg, fdv) = input_forget_gates(e.Add(Ai, e.Mul(pi, Cp)), e.Add(Af, e.Mul(pf, Cp)), True)
+        (i, idv), (fg, fdv) = input_forget_gates(Ai, Af)
+
+        def cell(e, C, mask, fg, ig):
+            new = e.Add(e.Mul(fg, C), ig)
+            return [_kept(e, mask, new, C)], [C, new]
+
+        _, (Cp, Cn) = u.scan(cell, [u.c0], [u.mask, fg, e.Mul(i, g)])
+    else:
+        def cell(e, C, mask, ai, af, g):
+            i = u.activate(e, e.Add(ai, e.Mul(pi, C)), 0)
+            fg = e.Sub(e.scalar(1.0, like=i), i) if forget else u.activate(e, e.Add(af, e.Mul(pf, C)), 0)
+            new = e.Add(e.Mul(fg, C), e.Mul(i, g))
+            return [_kept(e, mask, new, C)], [C, new]
+
+        _, (Cp, Cn) = u.scan(cell, [u.c0], [u.mask, Ai, Af, g])
+        (i, idv), (fg, fdv) = input_forget_gates(e.Add(Ai, e.Mul(pi, Cp)), e.Add(Af, e.Mul(pf, Cp)))
         Ao = e.Add(Ao, e.Mul(po, Cn))
     o, od = u.activate_with_derivative(Ao, 0)
     hC, hCd = _h_of_cell(u, Cn)
@@ -502,32 +513,29 @@ def lstm(n, dys, needs, e):
     Qo = e.Mul(hC, od)  # dao = dHn Qo
     Qc = e.Mul(o, hCd)  # dC = dHn Qc + ...
     Qi = e.Mul(e.Sub(g, Cp) if forget else g, idv)  # dai = dC Qi
-    Qf = None if forget else e.Mul(Cp, fdv)  # daf = dC Qf
+    Qf = e.zeros_like(Qi) if forget else e.Mul(Cp, fdv)  # daf = dC Qf
     Qg = e.Mul(i, gd)  # dac = dC Qg
-    das = [None] * u.T
-    for k in reversed(range(u.T)):
-        dHn = u.masked(e.add(dS, dY[k]), k)
-        if dHn is None:  # only Y_c carries a gradient
-            dHn = u.zeros
-        dao = e.Mul(dHn, u.steps(Qo)[k])
-        dC = e.add(e.Mul(dHn, u.steps(Qc)[k]), u.masked(dCS, k))
+
+    def step(e, dS, dCS, dY, m, keep, Qo, Qc, Qi, Qf, Qg, fg):
+        dHn = _masked(e, e.add(dS, dY), m)
+        dao = e.Mul(dHn, Qo)
+        dC = e.add(e.Mul(dHn, Qc), _masked(e, dCS, m))
         if po is not None:
             dC = e.Add(dC, e.Mul(dao, po))
-        dai = e.Mul(dC, u.steps(Qi)[k])
-        daf = u.zeros if forget else e.Mul(dC, u.steps(Qf)[k])
-        das[k] = e.Concat(dai, dao, daf, e.Mul(dC, u.steps(Qg)[k]), axis=-1)
-        dC_prev = e.Mul(dC, u.steps(fg)[k])
+        dai, daf = e.Mul(dC, Qi), e.Mul(dC, Qf)
+        da = e.Concat(dai, dao, daf, e.Mul(dC, Qg), axis=-1)
+        dC_prev = e.Mul(dC, fg)
         if pi is not None:
             dC_prev = e.Add(dC_prev, e.Mul(dai, pi))
             if not forget:
                 dC_prev = e.Add(dC_prev, e.Mul(daf, pf))
-        dCS = u.carried(dC_prev, k, dCS)
-        dS = u.carried(e.MatMul(das[k], u.R), k, dS)
-    dA = u.stack(das)
+        return [_carried(e, e.MatMul(da, u.R), keep, dS), _carried(e, dC_prev, keep, dCS)], [da]
+
+    (dS, dCS), (dA,) = u.scan(step, [dS, dCS], [dY, u.mf, u.omf, Qo, Qc, Qi, Qf, Qg, fg], reverse=True)
 
     dc0 = dP = None
     if len(needs) > 6 and needs[6]:
-        dc0 = u.relayout(e.squeeze(dCS, [0]), [1, 0, 2])
+        dc0 = u.relayout(dCS, [1, 0, 2])
     if len(needs) > 7 and needs[7]:
         dai, dao, daf, _ = u.gate_split(dA)
         dP = e.Concat(*(e.reduce("ReduceSum", e.Mul(da, c), [0, 2], keepdims=False)
@@ -543,4 +551,4 @@ def _h_of_cell(u, C):
         y = _act_forward(e, act, x)
         return y, _act_derivative(e, act, x, y)
 
-    return u._per_direction(both, 2, C)
+    return u._per_direction(e, both, 2, C)

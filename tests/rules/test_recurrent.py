@@ -15,10 +15,11 @@ import pytest
 from onnx import helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_model, check_op, gradcheck, make_op_model, ort_session, patch_reference_evaluator
+from gradbuilder.testing import (check_model, check_op, gradcheck, make_op_model, numeric_gradient, ort_session,
+                                 patch_reference_evaluator, reference_evaluator, to_float64)
 
 f32 = np.float32
+FLOAT = onnx.TensorProto.FLOAT
 T, N, I, H = 3, 2, 3, 4  # seq, batch, input, hidden
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 
@@ -414,26 +415,193 @@ def test_symbolic_batch(op, rng):
     np.testing.assert_allclose(got, report.gradients["X"], rtol=2e-3, atol=2e-4)
 
 
-@pytest.mark.parametrize("layout", [0, 1])
-def test_dynamic_sequence_length_is_refused(layout, rng):
-    x_dims = ["seq", N, I] if layout == 0 else [N, None, I]
-    model, weights, _ = symbolic_model("LSTM", rng, x_dims, layout=layout)
-    with pytest.raises(GradientRuleError, match="static sequence length"):
-        GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build()
-
-
 @pytest.mark.parametrize("op", list(GATES))
-def test_matmuls_cover_all_steps_at_once(op, rng):
-    """One MatMul per step (two for GRU before reset); X, W, R gradients and gate recomputation
-    are a fixed number of MatMuls over the stacked steps."""
-    per_step, fixed = {"RNN": (1, 5), "GRU": (2, 7), "LSTM": (1, 5)}[op]
+def test_graph_does_not_grow_with_the_length(op, rng):
+    """The steps run in Scans: the gradient graph is the same at every length. Each backward
+    step does one product with R (two for GRU before reset; the LSTM's cell states are
+    recomputed by a Scan of their own, without one); gate recomputation and the X, W, R
+    gradients are a fixed number of MatMuls over the stacked steps."""
+    per_scan, fixed = {"RNN": ([1], 5), "GRU": ([2], 7), "LSTM": ([0, 1], 5)}[op]
+    graphs = []
     for steps in (3, 6):
         ins = make_inputs(op, rng, direction="bidirectional", seq=[2, 1], h0=True)
         ins[0] = ("X", rng.standard_normal((steps, N, I)).astype(f32))
         model, weights, _ = make_op_model(op, ins, {"hidden_size": H, "direction": "bidirectional"},
                                           num_outputs=2)
-        built = GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build().model_proto
-        assert sum(n.op_type == "MatMul" for n in built.graph.node) == per_step * steps + fixed
+        graphs.append(gradient_graph(model, weights).model_proto)
+    assert [n.op_type for n in graphs[0].graph.node] == [n.op_type for n in graphs[1].graph.node]
+    nodes = graphs[0].graph.node
+    assert sum(n.op_type == "MatMul" for n in nodes) == fixed
+    bodies = [a.g for n in nodes if n.op_type == "Scan" for a in n.attribute if a.name == "body"]
+    assert [sum(m.op_type == "MatMul" for m in body.node) for body in bodies] == per_scan
+
+
+# ----------------------------------------------------------------------------- lengths known at run time
+
+
+def length_model(op, case, source, rng):
+    """One node whose sequence length is known only at run time, with a loss that reads every
+    output at any length. ``source``: "symbolic" (X a graph input with a named length), "if" (X
+    comes out of an If whose else branch doubles the length), "reshape" (X is a flat input
+    reshaped to a shape given at run time, so not even its rank is known). The weights and
+    states are graph inputs; sequence_lens too, when the case has one ("seq": True).
+    Returns (model, weights, feeds) with ``feeds(length, cond=True)``."""
+    opts, attrs = split_case(case)
+    has_seq = opts.pop("seq", False)
+    layout, direction = attrs.get("layout", 0), attrs.get("direction", "forward")
+    attrs = {"hidden_size": H, **attrs}
+    D, seq_axis = (2 if direction == "bidirectional" else 1), (1 if layout else 0)
+    values = {name: v for name, v in make_inputs(op, rng, direction=direction, layout=layout, **opts)[1:]
+              if v is not None}
+    names = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"][:8 if op == "LSTM" else 6]
+    x_dims = [N, "seq", I] if layout else ["seq", N, I]
+    inputs = [helper.make_tensor_value_info(n, FLOAT, list(v.shape)) for n, v in values.items()]
+    if has_seq:
+        inputs.append(helper.make_tensor_value_info("sequence_lens", onnx.TensorProto.INT32, [N]))
+    nodes = []
+    if source == "reshape":
+        inputs += [helper.make_tensor_value_info("X", FLOAT, [None]),
+                   helper.make_tensor_value_info("X_shape", onnx.TensorProto.INT64, [None])]
+        nodes.append(helper.make_node("Reshape", ["X", "X_shape"], ["X_in"]))
+    elif source == "if":
+        inputs += [helper.make_tensor_value_info("X", FLOAT, x_dims),
+                   helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])]
+        then_g = helper.make_graph([helper.make_node("Identity", ["X"], ["X_then"])], "then", [],
+                                   [helper.make_tensor_value_info("X_then", FLOAT, None)])
+        else_g = helper.make_graph([helper.make_node("Concat", ["X", "X"], ["X_else"], axis=seq_axis)], "else", [],
+                                   [helper.make_tensor_value_info("X_else", FLOAT, None)])
+        nodes.append(helper.make_node("If", ["cond"], ["X_in"], then_branch=then_g, else_branch=else_g))
+    else:
+        inputs.append(helper.make_tensor_value_info("X", FLOAT, x_dims))
+        nodes.append(helper.make_node("Identity", ["X"], ["X_in"]))
+    node_ins = ["X_in"] + [n if n in values or (n == "sequence_lens" and has_seq) else "" for n in names[1:]]
+    while not node_ins[-1]:
+        node_ins.pop()
+    outs = OUTPUT_NAMES[:3 if op == "LSTM" else 2]
+    nodes.append(helper.make_node(op, node_ins, outs, **attrs))
+    y_proj = [N, 1, D, H] if layout else [1, D, N, H]  # broadcast over the steps
+    state_proj = [N, D, H] if layout else [D, N, H]
+    inits = [numpy_helper.from_array(rng.standard_normal(y_proj).astype(f32), "Y_proj")]
+    nodes += [helper.make_node("Mul", ["Y", "Y"], ["Y_sq"]), helper.make_node("Add", ["Y", "Y_sq"], ["Y_nl"]),
+              helper.make_node("Mul", ["Y_nl", "Y_proj"], ["Y_m"])]
+    terms = ["Y_m"]
+    for name in outs[1:]:
+        inits.append(numpy_helper.from_array(rng.standard_normal(state_proj).astype(f32), f"{name}_proj"))
+        nodes.append(helper.make_node("Mul", [name, f"{name}_proj"], [f"{name}_m"]))
+        terms.append(f"{name}_m")
+    nodes += [helper.make_node("ReduceSum", [t], [f"{t}_s"], keepdims=0) for t in terms]
+    nodes.append(helper.make_node("Sum", [f"{t}_s" for t in terms], ["loss"]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", FLOAT, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    weights = ["X", *values]
+
+    def feeds(length, cond=True):
+        x = rng.standard_normal([N, length, I] if layout else [length, N, I]).astype(f32)
+        steps = length if cond else 2 * length
+        fed = {**values, "X": x.reshape(-1) if source == "reshape" else x}
+        if source == "reshape":
+            fed["X_shape"] = np.array(x.shape, np.int64)
+        if source == "if":
+            fed["cond"] = np.array(cond)
+        if has_seq:
+            fed["sequence_lens"] = np.array([steps, max(steps - 3, 0)], np.int32)
+        return fed
+
+    return model, weights, feeds
+
+
+def sequence_dim(model, op):
+    """The sequence dim shape inference finds for the recurrent node's X: an int, a name, or
+    None (unknown dim or rank)."""
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    node = next(n for n in inferred.graph.node if n.op_type == op)
+    layout = next((a.i for a in node.attribute if a.name == "layout"), 0)
+    info = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.input)}.get(node.input[0])
+    if info is None or not info.type.tensor_type.HasField("shape"):
+        return None
+    dim = info.type.tensor_type.shape.dim[1 if layout else 0]
+    return dim.dim_value if dim.HasField("dim_value") else dim.dim_param or None
+
+
+def gradient_graph(model, weights):
+    return GradientGraphBuilder(model, weights=weights, outputs=["loss"], loss="loss").build()
+
+
+def check_lengths(model, weights, runs, *, ort=True):
+    """One float64 and one float32 gradient graph, each run at every feed in ``runs``: the
+    float64 gradients match central finite differences of the float64 forward model (onnx's
+    reference evaluator, every element), the float32 graph on onnxruntime matches them."""
+    model64 = to_float64(model)
+    built64 = gradient_graph(model64, weights).model_proto
+    grads64, forward64 = reference_evaluator(built64), reference_evaluator(model64)
+    sess32 = ort_session(gradient_graph(model, weights).get_model()) if ort else None
+    for feeds in runs:
+        feeds64 = {k: v.astype(np.float64) if v.dtype == f32 else v for k, v in feeds.items()}
+        got = dict(zip([o.name for o in built64.graph.output], grads64.run(None, feeds64)))
+        for w in weights:
+            num = numeric_gradient(lambda v: forward64.run(["loss"], {**feeds64, w: v})[0], feeds64[w], 1e-6)
+            np.testing.assert_allclose(got[f"{w}_grad"], num, rtol=1e-4, atol=1e-6, err_msg=w)
+        if sess32 is not None:
+            out = dict(zip([o.name for o in sess32.get_outputs()],
+                           sess32.run(None, {i.name: feeds[i.name] for i in sess32.get_inputs()})))
+            for w in weights:
+                ref = got[f"{w}_grad"]
+                np.testing.assert_allclose(out[f"{w}_grad"], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()),
+                                           err_msg=w)
+
+
+SEQ = {"seq": True}
+LENGTH_CASES = [  # each op forward and bidirectional, its length symbolic and hidden from shape inference
+    ("RNN", {"h0": True}, "symbolic"),
+    ("RNN", {**BI, **SEQ, "h0": True, "clip": 0.8}, "if"),
+    ("RNN", {**REV, "h0": True, "activations": ["Relu"]}, "reshape"),
+    ("GRU", {"h0": True, "linear_before_reset": 1}, "reshape"),
+    ("GRU", {**BI, **SEQ, "h0": True}, "symbolic"),
+    ("GRU", {**BI, "layout": 1, "h0": True}, "if"),
+    ("LSTM", {"h0": True, "c0": True, "P": True}, "if"),
+    ("LSTM", {**BI, **SEQ, "h0": True, "c0": True, "clip": 0.6}, "symbolic"),
+    ("LSTM", {**BI, "h0": True, "c0": True, "P": True, "input_forget": 1}, "reshape"),
+    ("LSTM", {**REV, **SEQ, "layout": 1, "h0": True, "c0": True, "P": True}, "symbolic"),
+]
+
+
+@pytest.mark.parametrize("op,case,source", LENGTH_CASES,
+                         ids=[f"{op}-{i}-{source}" for i, (op, _, source) in enumerate(LENGTH_CASES)])
+def test_sequence_length_known_at_run_time(op, case, source, rng):
+    """A length shape inference cannot give (a named dim, one through an If, a Reshape to a
+    run-time shape): the same gradient graph runs at lengths 1 and 7 (14 through the If's else
+    branch). Layout 1 (which onnxruntime does not run) on the reference evaluator only."""
+    model, weights, feeds = length_model(op, case, source, rng)
+    assert not isinstance(sequence_dim(model, op), int)
+    check_lengths(model, weights, [feeds(1), feeds(7, cond=source != "if")], ort=not case.get("layout", 0))
+
+
+def test_inside_if_branches(rng):
+    """An LSTM in each branch of an If (as Silero VAD picks its model by sample rate), its
+    length known at run time: the If's gradient branches hold the Scans."""
+    ins = {n: v for n, v in make_inputs("LSTM", rng, h0=True, c0=True, P=True)[1:] if v is not None}
+
+    def branch(name, attrs):
+        nodes = [helper.make_node("LSTM", ["X", "W", "R", "B", "", "initial_h", "initial_c", "P"],
+                                  [f"Y_{name}", f"Y_h_{name}"], hidden_size=H, **attrs),
+                 helper.make_node("Mul", [f"Y_{name}", f"Y_{name}"], [f"Y_sq_{name}"]),
+                 helper.make_node("ReduceSum", [f"Y_sq_{name}"], [f"s_{name}"], keepdims=0),
+                 helper.make_node("ReduceSum", [f"Y_h_{name}"], [f"t_{name}"], keepdims=0),
+                 helper.make_node("Add", [f"s_{name}", f"t_{name}"], [f"loss_{name}"])]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"loss_{name}", FLOAT, [])])
+
+    inputs = [helper.make_tensor_value_info("X", FLOAT, ["seq", N, I]),
+              helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])]
+    inputs += [helper.make_tensor_value_info(n, FLOAT, list(v.shape)) for n, v in ins.items()]
+    node = helper.make_node("If", ["cond"], ["loss"], then_branch=branch("then", {}),
+                            else_branch=branch("else", {"direction": "reverse", "clip": 0.7}))
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("loss", FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    runs = [{**ins, "X": rng.standard_normal((length, N, I)).astype(f32), "cond": np.array(cond)}
+            for length, cond in ((1, True), (7, True), (1, False), (7, False))]
+    check_lengths(model, ["X", *ins], runs)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -483,6 +651,78 @@ def test_against_torch(kind, kw):
     exported = export(module, (x, target), ["x", "target"], dynamo=False, opset=17)
     assert sum(n.op_type == kind for n in exported.graph.node) == kw.get("num_layers", 1)
     compare_with_torch(module, (x, target), ["x", "target"], dynamo=False, opset=17)
+
+
+def torch_with_states(kind, **kw):
+    """nn.LSTM / nn.GRU / nn.RNN taking its initial states as inputs, with a loss on its outputs
+    (through a linear head) and its final states."""
+    import torch
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = getattr(torch.nn, kind)(I, H, **kw)
+            self.head = torch.nn.Linear(H * (2 if kw.get("bidirectional") else 1), 2)
+
+        def forward(self, x, *states):
+            out, final = self.rnn(x, states if len(states) > 1 else states[0])
+            final = final if isinstance(final, tuple) else (final,)
+            return (self.head(out) ** 2).mean() + sum((s * s).mean() for s in final)
+
+    return Module()
+
+
+TORCH_LENGTHS = [
+    ("LSTM", {"bidirectional": True}),
+    ("GRU", {"batch_first": True}),
+    ("RNN", {"num_layers": 2, "bidirectional": True}),
+]
+
+
+@pytest.mark.parametrize("kind,kw", TORCH_LENGTHS, ids=[k for k, _ in TORCH_LENGTHS])
+def test_against_torch_at_run_time_lengths(kind, kw):
+    """Exported with a dynamic sequence axis: one gradient graph gives torch autograd's loss and
+    gradients of the parameters, the input and the initial states at lengths 1 and 7."""
+    import io
+    import warnings
+
+    import torch
+
+    torch.manual_seed(0)
+    module = torch_with_states(kind, **kw)
+    seq_axis = 1 if kw.get("batch_first") else 0
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    state_names = ["h0", "c0"] if kind == "LSTM" else ["h0"]
+
+    def example(length):
+        x = torch.randn((N, length, I) if seq_axis else (length, N, I))
+        return [x] + [torch.randn(layers, N, H) for _ in state_names]
+
+    names = ["x", *state_names]
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, tuple(example(5)), f, dynamo=False, opset_version=17, input_names=names,
+                          output_names=["loss"], do_constant_folding=False, dynamic_axes={"x": {seq_axis: "seq"}})
+    model = onnx.load_from_string(f.getvalue())
+    assert sum(n.op_type == kind for n in model.graph.node) == kw.get("num_layers", 1)
+    assert model.graph.input[0].type.tensor_type.shape.dim[seq_axis].dim_param == "seq"
+    params = dict(module.named_parameters())
+    weights = [*params, *names]
+    sess = ort_session(gradient_graph(model, weights).get_model())
+    for length in (1, 7):
+        inputs = [v.requires_grad_() for v in example(length)]
+        module.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        out = dict(zip([o.name for o in sess.get_outputs()],
+                       sess.run(None, {n: v.detach().numpy() for n, v in zip(names, inputs)})))
+        np.testing.assert_allclose(out["loss"], loss.detach().numpy(), rtol=1e-5)
+        refs = {**{n: p.grad for n, p in params.items()}, **{n: v.grad for n, v in zip(names, inputs)}}
+        for name, ref in refs.items():
+            ref = ref.numpy()
+            np.testing.assert_allclose(out[f"{name}_grad"], ref, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(ref).max()),
+                                       err_msg=f"length {length}: {name}")
 
 
 @pytest.mark.parametrize("opset", [13, 22])
