@@ -178,7 +178,7 @@ def _cmd_artifacts(args) -> int:
         from .compiler import modelio
         from .compiler.builder import float_values
 
-        _check_weights(args, float_values(modelio.load_proto(args.model)))
+        _check_weights(args, float_values(modelio.load_proto(args.model, external=False)))
     from .training.artifacts import generate_artifacts
 
     written = generate_artifacts(args.model, requires_grad=args.weights, frozen_params=args.frozen or (),
@@ -281,7 +281,7 @@ def _cmd_train(args) -> int:
     from .compiler.builder import default_weights, float_values
     from .runtime.loop import BATCHES_SEEN, accuracy, fit
 
-    model = modelio.load_proto(args.model)
+    model, large = modelio.load_detached(args.model)  # large tensors apart: a model over 2 GB trains too
     loss_name = args.loss_name
     if args.loss:
         from .training.loss import append_loss
@@ -330,7 +330,8 @@ def _cmd_train(args) -> int:
                  "auto": None}[args.device]
     from .runtime.session import TrainingSession
 
-    session = TrainingSession(model.SerializeToString(), params, providers=providers)
+    session = TrainingSession(modelio.DetachedModel(model, large), params, providers=providers)
+    del large
     done = 0
     if args.resume:
         try:

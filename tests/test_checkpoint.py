@@ -158,7 +158,7 @@ def test_round_trip_many_tensors_keeps_order_and_returns_owned_writable_arrays(t
                for i, (code, shape) in enumerate((c, s) for c in SPEC_DTYPES for s in [(), (0, 4), (3, 2)])}
     checkpoint.save(tmp_path / "c", tensors)
     got, _ = checkpoint.load(tmp_path / "c")
-    assert list(got) == sorted(tensors)  # name order: the package lays the file out by dtype, then name
+    assert list(got) == sorted(tensors)  # name order
     os.remove(tmp_path / "c")  # nothing maps the file
     for name, array in tensors.items():
         assert_same(got[name], array)
@@ -206,7 +206,7 @@ def test_byte_layout_follows_the_safetensors_spec(tmp_path):
     assert stripped.startswith(b"{") and stripped.endswith(b"}") and len(raw) - len(stripped) < 8
     assert header.pop("__metadata__") == {"k": "v", "format": FORMAT,
                                          "sha256": digest_v2({**header, "__metadata__": {"k": "v", "format": FORMAT}}, data)}
-    assert set(header) == set(tensors)  # contiguous, in the order the package chose
+    assert set(header) == set(tensors)  # contiguous, in the order save chose
     offset = 0
     for name in sorted(header, key=lambda n: header[n]["data_offsets"]):
         array, entry = tensors[name], header[name]
@@ -622,3 +622,87 @@ def test_a_checkpoint_between_accumulations_resumes_with_other_accumulation_step
     again = session(1)
     again.load_checkpoint(tmp_path / "whole.ckpt")
     assert again.step == 2
+
+
+# --- streaming: written from the state's memory, read into the arrays the state keeps -----------
+
+def test_save_writes_ortvalues_as_the_same_file_as_their_arrays(tmp_path):
+    import onnxruntime as ort
+
+    arrays = {code: sample(code, (3, 2), seed=i) for i, code in enumerate(SPEC_DTYPES) if code != "BF16"}
+    arrays["scalar"] = np.array(-4, np.int32)
+    arrays["empty"] = np.zeros((2, 0), np.float32)
+    checkpoint.save(tmp_path / "a", arrays, {"model": "tiny"})
+    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}
+    checkpoint.save(tmp_path / "o", values, {"model": "tiny"})
+    assert (tmp_path / "o").read_bytes() == (tmp_path / "a").read_bytes()
+    with pytest.raises(InvalidArgumentError, match="'w' must be a numpy array or an onnxruntime OrtValue, got list"):
+        checkpoint.save(tmp_path / "c", {"w": [1.0]})
+
+
+def test_tensors_over_a_chunk_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "CHUNK", 40)  # every tensor but the smallest in several chunks
+    tensors = {"a": sample("F64", (7, 3)), "b": sample("U8", (101,)), "c": sample("BOOL", (40,)),
+               "d": sample("I16", ())}
+    checkpoint.save(tmp_path / "c", tensors, {"model": "tiny"})
+    got, meta = checkpoint.load(tmp_path / "c")
+    for name, array in tensors.items():
+        assert_same(got[name], array)
+    _, header, _, data = read_raw(tmp_path / "c")
+    assert meta["sha256"] == digest_v2(header, data)
+    header.pop("__metadata__")
+    assert sorted(header, key=lambda n: header[n]["data_offsets"]) == sorted(tensors)  # laid out in name order
+
+
+def _session_state(s) -> dict:
+    """Copies of every state value and step-wise gradient, as save_checkpoint names them."""
+    out = {n: np.array(s._state[n].numpy(), copy=True) for n in s._state}
+    out.update({f"{w}.grad": np.array(v.numpy(), copy=True) for w, v in s._state.grads.items()})
+    return out
+
+
+def test_session_round_trip_is_bit_for_bit_and_the_file_reads_with_safe_open(tmp_path):
+    from safetensors import safe_open
+
+    from .test_session import batches, session
+
+    s = session()
+    data = batches(4, seed=31)
+    for x, y in data[:2]:
+        s.run(["loss"], {"x": x, "y": y})
+    s.train_step(*data[2])  # gradients in the step-wise API's buffers: saved as "<weight>.grad"
+    saved = _session_state(s)
+    assert any(n.endswith(".grad") for n in saved)
+    s.save_checkpoint(tmp_path / "c.safetensors")
+    s.optimizer_step()
+    s.run(["loss"], dict(zip(["x", "y"], data[3])))
+    assert any(not np.array_equal(v, saved[n]) for n, v in _session_state(s).items() if not n.endswith(".grad"))
+
+    s.load_checkpoint(tmp_path / "c.safetensors")
+    got = _session_state(s)
+    assert sorted(got) == sorted(saved)
+    for name in saved:
+        assert_same(got[name], saved[name])
+    with safe_open(tmp_path / "c.safetensors", framework="numpy") as f:
+        assert sorted(f.keys()) == sorted(saved) and f.metadata()["format"] == FORMAT
+        for name in saved:
+            assert_same(f.get_tensor(name), saved[name])
+
+    # the state now lies in the arrays load read: two sessions resumed from the file train alike
+    other = session()
+    other.load_checkpoint(tmp_path / "c.safetensors")
+    s.optimizer_step()
+    other.optimizer_step()
+    for n, v in _session_state(other).items():
+        assert_same(v, _session_state(s)[n])
+    assert checkpoint.load(tmp_path / "c.safetensors")[0].keys() == saved.keys()
+
+
+def test_load_state_copies_the_callers_arrays():
+    from .test_session import session
+
+    s = session()
+    weight = np.full(s._state.spec("fc1.weight")[0], 0.25, np.float32)
+    s.load_state({"fc1.weight": weight})
+    weight[...] = 7.0  # the caller's array, changed afterwards
+    np.testing.assert_array_equal(s.get_model_state()["full_precision"]["fc1.weight"], 0.25)

@@ -108,7 +108,7 @@ def test_artifacts_into_new_directories_and_failure_removes_them(tmp_path, monke
         raise OSError(28, "No space left on device")
 
     before = tree(tmp_path)
-    monkeypatch.setattr(np, "savez", fail)
+    monkeypatch.setattr(np.lib.format, "write_array", fail)
     with pytest.raises(OutputError, match=r"could not write artifacts in '.*/c/d': .*No space left"):
         generate_artifacts(linear_model(), artifact_directory=tmp_path / "c" / "d")
     assert tree(tmp_path) == before  # the directories it created are gone again

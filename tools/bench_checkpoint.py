@@ -1,7 +1,7 @@
 """Checkpoint load benchmark: time and peak memory of reading one checkpoint of ``--mb`` MB.
 
     python tools/bench_checkpoint.py                          # 384 MB, 3 rounds
-    python tools/bench_checkpoint.py --before-source OLD.py   # also an earlier checkpoint.py
+    python tools/bench_checkpoint.py --before-source OLD.py   # also an earlier runtime/checkpoint.py
 
 The state is shaped like a model trained with AdamW: 32 float32 weights of ``--mb``/96 MB
 each, their ``exp_avg`` and ``exp_avg_sq``, and ``Step``. Contenders, each load in a child
@@ -58,8 +58,8 @@ def status_kb(key: str) -> int:
 
 
 def old_module(source: str):
-    """An earlier checkpoint.py, imported as a module of the gradbuilder package."""
-    spec = importlib.util.spec_from_file_location("gradbuilder._checkpoint_before", source)
+    """An earlier gradbuilder/runtime/checkpoint.py, imported beside the current one."""
+    spec = importlib.util.spec_from_file_location("gradbuilder.runtime._checkpoint_before", source)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx.inliner
 import onnx.version_converter
@@ -18,13 +19,16 @@ MIN_OPSET = 13
 TWO_GB = 2**31
 
 
-def load_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelProto:
+def load_proto(model, base_dir: str | os.PathLike | None = None, external: bool = True) -> onnx.ModelProto:
     """A private copy of ``model`` as a ModelProto; the caller's object is never touched.
 
-    ``model`` is bytes, a path, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``.
-    Tensors kept in external data files are read from ``base_dir`` (default: the folder of
-    the model's path; bytes and protos have none, so they need it).
+    ``model`` is bytes, a path, an ``onnx.ModelProto``, an ``onnx_graphsurgeon.Graph`` or a
+    :class:`DetachedModel` (its skeleton). Tensors kept in external data files are read from
+    ``base_dir`` (default: the folder of the model's path; bytes and protos have none, so they
+    need it); with ``external=False`` they are left where they are (see :func:`load_detached`).
     """
+    if isinstance(model, DetachedModel):
+        model = model.skeleton
     model = _from_graphsurgeon(model)
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
@@ -43,7 +47,7 @@ def load_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelPr
         path = Path(model)
         files.check_input_file(path, ModelLoadError, "model file")  # not found, or a directory
         try:
-            proto = onnx.load(str(path), load_external_data=base_dir is None)
+            proto = onnx.load(str(path), load_external_data=external and base_dir is None)
         except Exception as exc:
             raise ModelLoadError(f"could not read ONNX model '{path}': {exc}") from exc
         origin = f"model '{path}'"
@@ -57,7 +61,8 @@ def load_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelPr
             f"up to {onnx.IR_VERSION}: it was written by a newer ONNX (or is damaged). Upgrade onnx, or save the "
             "model again with an ONNX release that reads it"
         )
-    _load_external_data(proto, base_dir, origin)
+    if external:
+        _load_external_data(proto, base_dir, origin)
     _unknown_declared_dims(proto.graph)
     return proto
 
@@ -169,7 +174,9 @@ def _load_external_data(proto: onnx.ModelProto, base_dir, origin: str) -> None:
 
 def read_proto(model, base_dir: str | os.PathLike | None = None) -> onnx.ModelProto:
     """``model`` as a ModelProto to read, never to change: the caller's ModelProto itself (no
-    copy), else loaded as :func:`load_proto` does."""
+    copy), a DetachedModel's skeleton, else loaded as :func:`load_proto` does."""
+    if isinstance(model, DetachedModel):
+        return model.skeleton
     return model if isinstance(model, onnx.ModelProto) else load_proto(model, base_dir)
 
 
@@ -453,30 +460,97 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
 DETACH_BYTES = 1024
 
 
-def load_detached(model, base_dir=None, weights=()) -> tuple[onnx.ModelProto, dict[str, bytes]]:
-    """The model as a weight-free skeleton proto, and the raw bytes of its large initializers
+def load_detached(model, base_dir=None, weights=()) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The model as a weight-free skeleton proto, and its large initializers as numpy arrays
     (the float Constant nodes computing ``weights`` lifted to initializers first).
 
-    The whole pipeline (inference, IR, backward graph, output proto, checker) runs on the
-    skeleton, whose types and shapes are all still there; :func:`attach_weights` puts the
-    bytes back into the output. So no copy of the weights is made along the way, and the
-    skeleton is re-parsed so the memory the full proto held is returned at once.
+    A tensor in an external data file is read from the file straight into its array (never
+    into a protobuf, which cannot hold 2 GB); one inside the model is copied out of it. The
+    whole pipeline (inference, IR, backward graph, output proto, checker) runs on the
+    skeleton, whose types and shapes are all still there; :class:`DetachedModel` writes the
+    arrays back out. So no copy of the weights is made along the way, and the skeleton is
+    re-parsed so the memory the full proto held is returned at once. A DetachedModel given
+    as ``model`` shares its arrays.
     """
-    proto = load_proto(model, base_dir)
+    if isinstance(model, DetachedModel):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model.skeleton)
+        lift_constants(proto, weights)
+        return proto, dict(model.weights)
+    proto = load_proto(model, base_dir, external=False)
     lift_constants(proto, weights)
+    directory = _data_dir(model, base_dir)
     stash = {}
     for t in proto.graph.initializer:
-        if len(t.raw_data) >= DETACH_BYTES:
-            stash[t.name] = t.raw_data
+        if t.data_location == onnx.TensorProto.EXTERNAL and directory is not None and _readable(t):
+            stash[t.name] = _read_external(t, directory)
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+        elif len(t.raw_data) >= DETACH_BYTES:
+            stash[t.name] = onnx.numpy_helper.to_array(t)
             t.ClearField("raw_data")
+    _load_external_data(proto, base_dir if base_dir is not None else directory, _origin(model))  # the rest
     if not stash:
         return proto, stash
     skeleton = onnx.ModelProto.FromString(proto.SerializeToString())
     return skeleton, stash
 
 
+def _data_dir(model, base_dir):
+    """Where ``model``'s external data files are: base_dir, else the folder of its path."""
+    if base_dir is not None:
+        return Path(base_dir)
+    if isinstance(model, (str, os.PathLike)):
+        return Path(model).parent
+    return None
+
+
+def _origin(model) -> str:
+    return f"model '{model}'" if isinstance(model, (str, os.PathLike)) else "the model"
+
+
+def _readable(t: onnx.TensorProto) -> bool:
+    """A tensor of whole bytes per element (not int4/float4 pairs, not strings)."""
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+    except Exception:
+        return False
+    return t.data_type not in _PACKED and dtype.kind != "O"
+
+
+_PACKED = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
+
+
+def _read_external(t: onnx.TensorProto, directory: Path) -> np.ndarray:
+    """An externally stored tensor, read from its file into a writable array of its own."""
+    from onnx.external_data_helper import ExternalDataInfo
+
+    info = ExternalDataInfo(t)
+    path = Path(directory) / info.location
+    if not Path(directory).is_dir():
+        raise ModelLoadError(f"base_dir '{directory}' is not a folder (it should hold '{info.location}')")
+    if not path.is_file():
+        raise ModelLoadError(f"the external data file '{info.location}' of tensor '{t.name}' is not in '{directory}'; "
+                             "pass base_dir= the folder holding it")
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+    count = int(np.prod(t.dims, dtype=np.int64))
+    if info.length is not None and info.length != count * dtype.itemsize:
+        raise ModelLoadError(f"tensor '{t.name}' {list(t.dims)} of {dtype} needs {count * dtype.itemsize} bytes, but its "
+                             f"external data entry says {info.length} (file '{info.location}')")
+    try:
+        size = path.stat().st_size
+        if (info.offset or 0) + count * dtype.itemsize > size:
+            raise ModelLoadError(f"the external data file '{path}' ({size} bytes) is too short for tensor '{t.name}' at "
+                                 f"offset {info.offset or 0} ({count * dtype.itemsize} bytes)")
+        array = np.fromfile(path, dtype=dtype, count=count, offset=info.offset or 0)
+    except OSError as exc:
+        raise ModelLoadError(f"could not read the external data of tensor '{t.name}' from '{path}': {exc}") from exc
+    return array.reshape(tuple(t.dims))
+
+
 class DetachedModel:
-    """A model held as a weight-free skeleton proto plus the raw bytes of its large tensors.
+    """A model held as a weight-free skeleton proto plus its large tensors as numpy arrays
+    (whatever holds them: a session's state, arrays read from external data).
 
     Written out without ever assembling the full proto: the skeleton (large initializers
     left out) is serialized first, then one ``ModelProto{graph{initializer}}`` record per
@@ -484,12 +558,13 @@ class DetachedModel:
     result parses to the same model, and memory stays at one copy of the weights.
     """
 
-    def __init__(self, skeleton: onnx.ModelProto, weights: dict[str, bytes]):
+    def __init__(self, skeleton: onnx.ModelProto, weights: dict[str, np.ndarray]):
         self.skeleton = skeleton
-        self.weights = weights
+        names = {t.name for t in skeleton.graph.initializer}
+        self.weights = {n: v for n, v in weights.items() if n in names}  # those the graph still has
 
     def byte_size(self) -> int:
-        return self.skeleton.ByteSize() + sum(len(b) + 64 for b in self.weights.values())
+        return self.skeleton.ByteSize() + sum(v.nbytes + 64 for v in self.weights.values())
 
     def _split(self):
         """(skeleton without the detached initializers, [their metadata tensors])."""
@@ -503,15 +578,17 @@ class DetachedModel:
         return head, big
 
     def _chunks(self):
+        """The serialized model in pieces: the skeleton, then per large tensor the encoding of
+        ``ModelProto{graph{initializer{<its metadata> raw_data}}}``, its bytes taken straight
+        from the array (never copied into a protobuf)."""
         head, big = self._split()
         yield head.SerializeToString()
         for meta in big:
-            t = _copy(meta)
-            t.raw_data = self.weights[meta.name]
-            record = onnx.ModelProto()
-            record.graph.initializer.append(t)
-            del t
-            yield record.SerializeToString()
+            raw = _raw(self.weights[meta.name])
+            tensor = meta.SerializeToString() + _field(_RAW_DATA, raw.size)
+            initializer = _field(_INITIALIZER, len(tensor) + raw.size)
+            yield _field(_GRAPH, len(initializer) + len(tensor) + raw.size) + initializer + tensor
+            yield memoryview(raw)
 
     def to_bytes(self) -> bytes:
         if self.byte_size() >= TWO_GB:
@@ -522,9 +599,9 @@ class DetachedModel:
         full = onnx.ModelProto()
         full.CopyFrom(self.skeleton)
         for t in full.graph.initializer:
-            raw = self.weights.get(t.name)
-            if raw is not None:
-                t.raw_data = raw
+            array = self.weights.get(t.name)
+            if array is not None:
+                t.raw_data = _raw(array).tobytes()
         return full
 
     def check(self) -> None:
@@ -564,10 +641,10 @@ class DetachedModel:
         with open(data_file, "wb") as data:
             for meta in big:
                 offset = data.tell()
-                data.write(self.weights[meta.name])
+                raw = _raw(self.weights[meta.name])
+                data.write(raw)
                 meta.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in (("location", data_name), ("offset", str(offset)),
-                                   ("length", str(len(self.weights[meta.name])))):
+                for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(raw.size))):
                     entry = meta.external_data.add()
                     entry.key, entry.value = key, value
         head.graph.initializer.extend(big)
@@ -590,6 +667,32 @@ class DetachedModel:
         data_path = path.with_name(path.name + ".data")
         with files.atomic_write(data_path, path, what="output model") as (tmp_data, tmp_model):
             self.write(tmp_model, tmp_data, data_path.name)
+
+
+_RAW_DATA = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
+_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
+_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+
+
+def _field(number: int, length: int) -> bytes:
+    """A protobuf length-delimited field's key and length (the payload follows)."""
+    out = bytearray()
+    for value in ((number << 3) | 2, length):
+        while True:
+            low, value = value & 0x7F, value >> 7
+            out.append(low | (0x80 if value else 0))
+            if not value:
+                break
+    return bytes(out)
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    """The array's bytes, little-endian, in C order, as a flat uint8 view (a copy only when
+    the array is not already so)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array.reshape(-1).view(np.uint8)
 
 
 def _copy(t: onnx.TensorProto) -> onnx.TensorProto:

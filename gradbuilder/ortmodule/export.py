@@ -189,7 +189,9 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
         try:
             torch.onnx.export(
                 flat, tensors, f, input_names=names, dynamo=False, opset_version=OPSET, training=mode,
-                do_constant_folding=False, keep_initializers_as_inputs=True, export_params=True, verbose=verbose,
+                # the parameters and buffers as inputs without their values: they are fed from the
+                # module, and a module over 2 GB exports as one of 2 KB
+                do_constant_folding=False, keep_initializers_as_inputs=True, export_params=False, verbose=verbose,
                 dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, tensors)})
         except Exception as exc:  # the exporter raises many types; all mean the same to the user
             raise ExportError(
@@ -227,7 +229,8 @@ def _exported(model: onnx.ModelProto, module, leaves, flat: _Flat, sized: str | 
     names = [f"input_{i}" for i in range(sum(isinstance(x, torch.Tensor) for x in leaves))]
     state = _state_names(module)
     inits = {t.name for t in model.graph.initializer}
-    fed = {n: state[n.removeprefix("inner.")] for n in inits if n.removeprefix("inner.") in state}
+    fed = {n: state[n.removeprefix("inner.")] for n in [*inits, *(i.name for i in model.graph.input)]
+           if n.removeprefix("inner.") in state}
     kept = [t for t in model.graph.initializer if t.name not in fed]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)

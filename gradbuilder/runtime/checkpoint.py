@@ -1,35 +1,43 @@
-"""Checkpoints: named numpy arrays plus string metadata in one safetensors file.
+"""Checkpoints: named tensors plus string metadata in one safetensors file.
 
-A checkpoint is a plain safetensors file, read and written with the ``safetensors`` package
-(any safetensors reader opens it):
+A checkpoint is a plain safetensors file (any safetensors reader, ``safetensors.safe_open``
+included, opens it):
 
     bytes 0..8        N, the header length: unsigned 64-bit little-endian
     bytes 8..8+N      header: UTF-8 JSON, padded with spaces to a multiple of 8 bytes
-                      {"<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]},
-                       ...,
-                       "__metadata__": {"<key>": "<value>", ...}}
+                      {"__metadata__": {"<key>": "<value>", ...},
+                       "<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]},
+                       ...}
     bytes 8+N..       data section: the tensors, little-endian, C order, one after another
                       with no gaps; begin/end are relative to its start
 
 dtypes: F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL (BF16 as ``ml_dtypes.bfloat16``
-arrays). A rank-0 tensor has shape ``[]``. The package chooses the order of the tensors in
-the file (by dtype, then name); ``load`` returns them in name order.
+arrays). A rank-0 tensor has shape ``[]``. ``save`` lays the tensors out in name order;
+``load`` reads files in any order (the safetensors package's own, by dtype then name,
+included) and returns the tensors in name order.
+
+Both directions stream, one tensor at a time, in chunks of ``CHUNK`` bytes: ``save`` writes
+each tensor from the memory it already lies in (a numpy array, or a CPU OrtValue's own
+memory; an OrtValue on another device is copied to the host one tensor at a time), and
+``load`` reads each tensor straight into a new array of its own. Neither holds the file, or
+a second copy of the tensors, in memory.
 
 ``save`` adds two metadata entries: ``"format": "gradbuilder-checkpoint/2"`` and ``"sha256"``,
 the hex SHA-256 of (1) the UTF-8 JSON (keys sorted, no spaces) of
 ``{"metadata": <every metadata entry but sha256>, "tensors": [[name, dtype, shape], ...]}``
 with the tensors in name order, then (2) each tensor's bytes (little-endian, C order) in the
-same name order. It does not depend on where the tensors lie in the file, so it is computed
-while the arrays are handed to the package, and checked while they are read back.
+same name order. It does not depend on where the tensors lie in the file; ``save`` computes
+it while it writes the data (the header's digest is filled in when the data is written, before
+the file appears at its path), ``load`` while it reads the data back.
 
-Format ``gradbuilder-checkpoint/1`` (written before the package did the writing) is still
-read: its ``sha256`` covers the header (every entry with its data_offsets and the metadata but
-the digest, as JSON with sorted keys) and then the data section as it lies in the file.
+Format ``gradbuilder-checkpoint/1`` is still read: its ``sha256`` covers the header (every
+entry with its data_offsets and the metadata but the digest, as JSON with sorted keys) and
+then the data section as it lies in the file.
 
-``load`` checks the header itself first (so a damaged file is named precisely: corrupt or
-truncated, and what is wrong), recognises files that are not checkpoints at all (another
-program's safetensors file, a PyTorch or NumPy file, an ONNX model, an empty file), then reads
-the tensors with the package and checks the digest.
+``load`` checks the header first (so a damaged file is named precisely: corrupt or truncated,
+and what is wrong), recognises files that are not checkpoints at all (another program's
+safetensors file, a PyTorch or NumPy file, an ONNX model, an empty file), then reads the
+tensors and checks the digest.
 """
 
 import difflib
@@ -41,9 +49,11 @@ import zipfile
 
 import ml_dtypes
 import numpy as np
+import onnxruntime as ort
 
 from .. import files
-from ..errors import CheckpointError, InvalidArgumentError, GradBuilderError
+from ..dtypes import NP_OF_ORT
+from ..errors import CheckpointError, InvalidArgumentError
 
 __all__ = ["FORMAT", "save", "load"]
 
@@ -55,6 +65,7 @@ WHAT_A_CHECKPOINT_IS = ("a checkpoint is a file written by TrainingSession.save_
                         "`gradbuilder train --checkpoint`")
 
 MAX_HEADER = 100_000_000  # the safetensors package refuses longer headers
+CHUNK = 1 << 24  # bytes written or read (and hashed) at a time
 
 _DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -67,25 +78,44 @@ _DTYPES = {
 _CODES = {(dt.kind, dt.itemsize): code for code, dt in _DTYPES.items() if code != "BF16"}
 
 
-def _dtype_code(name, array):
-    if not isinstance(array, np.ndarray):
+def _spec(name, value):
+    """(dtype code, shape) of a tensor to save: a numpy array or an onnxruntime OrtValue."""
+    if isinstance(value, ort.OrtValue):
+        np_type = NP_OF_ORT.get(value.data_type()) if value.is_tensor() else None
+        if np_type is None:
+            raise InvalidArgumentError(
+                f"checkpoint tensor {name!r} is an OrtValue of {value.data_type()}, which a checkpoint cannot "
+                f"hold; supported: {', '.join(_DTYPES)}")
+        dt, shape = np.dtype(np_type), tuple(value.shape())
+    elif isinstance(value, np.ndarray):
+        dt, shape = value.dtype, value.shape
+    else:
         raise InvalidArgumentError(
-            f"checkpoint tensor {name!r} must be a numpy array, got {type(array).__name__}")
-    dt = array.dtype
+            f"checkpoint tensor {name!r} must be a numpy array or an onnxruntime OrtValue, got {type(value).__name__}")
     if dt == _DTYPES["BF16"]:
-        return "BF16"
+        return "BF16", shape
     code = _CODES.get((dt.kind, dt.itemsize)) if dt.kind in "fiub" else None
     if code is None:
         raise InvalidArgumentError(
             f"checkpoint tensor {name!r} has dtype {dt}, which a checkpoint cannot hold; "
             f"supported: {', '.join(_DTYPES)}")
-    return code
+    return code, shape
 
 
 def _bytes_of(array, code):
     """The array as a flat little-endian C-order uint8 array (no copy when already so)."""
     array = np.ascontiguousarray(array, dtype=_DTYPES[code])
     return array.reshape(-1).view(np.uint8)
+
+
+def _host_bytes(value, code):
+    """A tensor's bytes on the host: a view of a numpy array's or a CPU OrtValue's own memory
+    when it is little-endian C order already, a copy of this one tensor otherwise."""
+    return _bytes_of(value.numpy() if isinstance(value, ort.OrtValue) else value, code)
+
+
+def _json(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _description(entries, meta) -> bytes:
@@ -96,12 +126,14 @@ def _description(entries, meta) -> bytes:
 
 
 def save(path, tensors, metadata=None):
-    """Write ``tensors`` (str -> numpy array) and ``metadata`` (str -> str) to ``path``.
+    """Write ``tensors`` (str -> numpy array or onnxruntime OrtValue) and ``metadata`` (str ->
+    str) to ``path``, one tensor at a time, from the memory each lies in (an OrtValue that is
+    not on the CPU is copied to the host one tensor at a time).
 
     Atomic (``gradbuilder.files.atomic_write``): nothing appears at ``path`` unless the whole
     file was written, a file already there is left as it was otherwise, and no temporary file
     stays behind (KeyboardInterrupt included). ``"format"`` and ``"sha256"`` in ``metadata``
-    are set by save. A path that cannot be written, bad names, arrays or metadata raise
+    are set by save. A path that cannot be written, bad names, tensors or metadata raise
     (CheckpointError, InvalidArgumentError) before anything is written; failures to write
     raise CheckpointError.
     """
@@ -114,46 +146,94 @@ def save(path, tensors, metadata=None):
             raise InvalidArgumentError(
                 f"checkpoint metadata must map str to str; got {key!r}: {value!r}")
         meta[key] = value
-    arrays, entries = {}, {}
-    for name, array in tensors.items():
+    entries = {}
+    for name, value in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
             raise InvalidArgumentError(
                 f"checkpoint tensor names must be strings other than '__metadata__', got {name!r}")
-        code = _dtype_code(name, array)
-        arrays[name] = np.asarray(array, dtype=_DTYPES[code], order="C")  # (ascontiguousarray makes 0-d 1-d)
-        entries[name] = (code, arrays[name].shape)
+        entries[name] = _spec(name, value)
     meta.pop("sha256", None)
     meta["format"] = FORMAT
     try:
         digest = hashlib.sha256(_description(entries, meta))
     except UnicodeEncodeError as e:
         raise InvalidArgumentError(f"a checkpoint name or metadata string is not valid Unicode: {e}") from None
-    for name in sorted(arrays):
-        digest.update(_bytes_of(arrays[name], entries[name][0]))
-    meta["sha256"] = digest.hexdigest()
 
-    from safetensors import SafetensorError
-    from safetensors.numpy import save_file
-
+    header, end = {"__metadata__": {**meta, "sha256": "0" * 64}}, 0
+    at = 8 + len(_json(header)) - 64 - len('"}}')  # where the digest goes: the first entry's last value
+    for name in sorted(entries):
+        code, shape = entries[name]
+        size = int(np.prod(shape, dtype=object)) * _DTYPES[code].itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [end, end + size]}
+        end += size
+    raw = _json(header)
+    raw += b" " * (-len(raw) % 8)
     with files.atomic_write(path, error=CheckpointError, what="checkpoint") as (tmp,):
-        mode = os.stat(tmp).st_mode & 0o777  # the usual mode (0o666 less the umask)
-        try:
-            save_file(arrays, tmp, metadata=meta)  # (the package writes a file of its own, mode 0o600)
-            os.chmod(tmp, mode)
-        except SafetensorError as e:
-            raise CheckpointError(f"could not write checkpoint '{path}': {e}") from e
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name in sorted(entries):
+                data = _host_bytes(tensors[name], entries[name][0])
+                for start in range(0, data.size, CHUNK):
+                    digest.update(data[start:start + CHUNK])
+                    f.write(data[start:start + CHUNK])
+                del data
+            f.seek(at)
+            f.write(digest.hexdigest().encode("ascii"))
 
 
 def load(path):
     """Read a checkpoint written by ``save`` (either format): ``(tensors, metadata)``.
 
-    Tensors come back in name order as writable arrays, each in memory of its own (read with
-    the package's pread backend: one copy of the data in memory). A path that is a directory
-    or names no file, a file that is not a checkpoint (another program's safetensors file,
-    PyTorch, NumPy or ONNX files, an empty file), and any inconsistency (length field, JSON,
-    dtypes, shapes, offsets, file size, SHA-256) raise CheckpointError saying what the file is,
-    or that it is corrupt or truncated and what is wrong.
+    Tensors come back in name order as writable arrays, each in memory of its own that nothing
+    else refers to (read straight from the file: one copy of the data in memory). A path that
+    is a directory or names no file, a file that is not a checkpoint (another program's
+    safetensors file, PyTorch, NumPy or ONNX files, an empty file), and any inconsistency
+    (length field, JSON, dtypes, shapes, offsets, file size, SHA-256) raise CheckpointError
+    saying what the file is, or that it is corrupt or truncated and what is wrong.
     """
+    reader = open_checkpoint(path)
+    return reader.read(), reader.metadata
+
+
+class Reader:
+    """An opened checkpoint whose header has been checked: ``metadata``, ``specs`` (name ->
+    a zero-strided array of the tensor's dtype and shape: no memory), ``value(name)`` (one
+    small tensor, unverified: to decide whether the checkpoint fits), and ``read(into)``."""
+
+    def __init__(self, path, size, start, entries, metadata, digest, order, corrupt, truncated):
+        self.path, self.metadata = path, metadata
+        self._size, self._start, self._entries, self._digest, self._order = size, start, entries, digest, order
+        self._corrupt, self._truncated = corrupt, truncated
+        self.specs = {n: np.broadcast_to(np.zeros((), _DTYPES[code]), shape) for n, (code, shape, _, _) in entries.items()}
+
+    def value(self, name: str) -> np.ndarray:
+        return _read(self.path, self._start, [name], self._entries, hashlib.sha256(), self._truncated)[name]
+
+    def read(self, into=None) -> dict[str, np.ndarray]:
+        """Every tensor, in name order, its SHA-256 checked. ``into`` maps names to writable C-order
+        arrays of their dtype and shape to read those tensors into: the whole file is then
+        verified first (read and hashed, nothing kept), so they change only with a checkpoint
+        that is whole; a file changed between the two reads raises, saying so."""
+        if into:
+            self._verify(None)
+        tensors = self._verify(into or {})
+        return {name: tensors[name] for name in sorted(tensors)}
+
+    def _verify(self, into):
+        """Read (``into`` None: hash only) and check the digest; the tensors read."""
+        digest = self._digest.copy()
+        tensors = _read(self.path, self._start, self._order, self._entries, digest, self._truncated, into)
+        if digest.hexdigest() != self.metadata["sha256"]:
+            if into:
+                raise CheckpointError(f"checkpoint '{self.path}' changed while it was being read (it was whole when "
+                                      "first read); the tensors read since are not the ones checked: load it again")
+            raise self._corrupt("the SHA-256 of the header and data does not match the one recorded in it")
+        return tensors
+
+
+def open_checkpoint(path) -> Reader:
+    """A :class:`Reader` of the checkpoint at ``path``, once its header is checked (as ``load``
+    checks it; the data is read by ``Reader.read``)."""
     path = files.check_input_file(path, CheckpointError, "checkpoint")
     try:
         with open(path, "rb") as f:
@@ -213,30 +293,41 @@ def load(path):
     else:
         digest = hashlib.sha256(_description({k: (code, shape) for k, (code, shape, _, _) in entries.items()}, meta))
         order = sorted(entries)
-    tensors = _read(path, order, entries, digest, corrupt)
-    if digest.hexdigest() != meta["sha256"]:
-        raise corrupt("the SHA-256 of the header and data does not match the one recorded in it")
-    return {name: tensors[name] for name in sorted(tensors)}, meta
+    return Reader(path, size, 8 + n, entries, meta, digest, order, corrupt, truncated)
 
 
-def _read(path, order, entries, digest, corrupt):
-    """The tensors, read with the safetensors package in ``order``, each added to ``digest``."""
-    from safetensors import SafetensorError, safe_open
-
+def _read(path, start, order, entries, digest, truncated, into=()):
+    """The tensors, each read in ``order`` straight into an array (its own new one, or the one
+    ``into`` gives; ``into`` None: a buffer of CHUNK bytes, nothing kept) and added to
+    ``digest`` as it arrives; ``start``: where the data section begins in the file."""
     tensors = {}
+    scratch = np.empty(CHUNK, np.uint8) if into is None else None
     try:
-        with safe_open(path, framework="numpy", backend="pread") as f:
+        with open(path, "rb", buffering=0) as f:
             for name in order:
-                array = f.get_tensor(name)
-                code, shape = entries[name][:2]
-                if array.dtype != _DTYPES[code] or array.shape != shape:  # pragma: no cover (checked above)
-                    raise corrupt(f"tensor {name!r} reads back as {array.dtype} {array.shape}")
-                digest.update(_bytes_of(array, code))
+                code, shape, begin, stop = entries[name]
+                if into is None:
+                    f.seek(start + begin)
+                    for at in range(begin, stop, CHUNK):
+                        part = scratch[: min(CHUNK, stop - at)]
+                        got = f.readinto(part)
+                        if got != part.size:
+                            raise truncated(f"tensor {name!r} ends beyond the end of the file (cut while being read)")
+                        digest.update(part)
+                    continue
+                array = into[name] if name in into else np.empty(shape, _DTYPES[code])
+                data = array.reshape(-1).view(np.uint8)
+                f.seek(start + begin)
+                done = 0
+                while done < data.size:
+                    got = f.readinto(data[done:done + CHUNK])
+                    if not got:
+                        raise truncated(f"tensor {name!r} ends beyond the end of the file (cut while being read)")
+                    digest.update(data[done:done + got])
+                    done += got
                 tensors[name] = array
-    except GradBuilderError:
-        raise
-    except (SafetensorError, OSError, ValueError) as e:
-        raise corrupt(f"the safetensors package cannot read it: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"could not read checkpoint '{path}': {e}") from None
     return tensors
 
 

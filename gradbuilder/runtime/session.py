@@ -64,9 +64,10 @@ class TrainingSession:
             raise InvalidArgumentError(f"parameters must be a gradbuilder.TrainingParameters, got "
                                        f"{type(parameters).__name__}")
         self._params = TrainingParameters.from_dict(parameters.to_dict())
-        # The session's own copy of the model, read once (external data from base_dir). Its
-        # weights and running statistics move into the state; the model keeps their types.
-        self._model = modelio.load_proto(path_or_bytes, base_dir)
+        # The session's own copy of the model, read once (external data from base_dir), its large
+        # tensors apart. Its weights and running statistics move into the state, read straight
+        # from their files where they are external data; the model keeps their types.
+        self._model, large = modelio.load_detached(path_or_bytes, base_dir)
         compat.check_for_runtime(self._model, strict=True)  # the graphs must load in onnxruntime
         warn_inference_export(self._model)
         warn_merged_parameters(self._model)
@@ -78,7 +79,11 @@ class TrainingSession:
         if no_value:
             raise InvalidArgumentError(f"the running statistics {no_value} are graph inputs without an initializer; "
                                        "give them initial values as initializers")
-        values = {w: numpy_helper.to_array(inits[w]) for w in self.weights + self.buffers if w in inits}
+        values = {w: large.pop(w) if w in large else numpy_helper.to_array(inits[w])
+                  for w in self.weights + self.buffers if w in inits}
+        if large:  # frozen parameters: constants of the session's graphs
+            self._model = modelio.DetachedModel(self._model, large).to_proto()
+        del large
         self._frozen = [t.name for t in self._model.graph.initializer if t.name not in values
                         and t.data_type in FLOAT_TENSOR_TYPES]
         modelio.weights_as_inputs(self._model, self.weights + self.buffers)  # their values live in the state only
@@ -132,7 +137,10 @@ class TrainingSession:
 
                 whole = onnx.ModelProto()
                 whole.CopyFrom(self._model)
-                whole.graph.initializer.extend(numpy_helper.from_array(values[w], w) for w in self.weights)
+                # the weights as initializers the cuts place (their values stay in the state)
+                whole.graph.initializer.extend(onnx.TensorProto(name=w, dims=values[w].shape, data_type=onnx.helper.
+                                                                np_dtype_to_tensor_dtype(values[w].dtype))
+                                               for w in self.weights)
                 self._dist = PipelineParallel(self, topo, self._params, whole)
 
     # ------------------------------------------------------------------ graphs and values
@@ -486,8 +494,12 @@ class TrainingSession:
         keep = [i for i in proto.graph.input if i.name not in state]
         del proto.graph.input[:]
         proto.graph.input.extend(keep)
-        proto.graph.initializer.extend(numpy_helper.from_array(self._state.array(n), n) for n in state)
-        return export_model_for_inferencing(proto, inference_model_uri, graph_output_names)
+        values = {n: self._state[n].numpy() for n in state}  # on the CPU a view of the state, no copy
+        for n, v in values.items():  # the initializers' types; their values stay apart
+            proto.graph.initializer.append(onnx.TensorProto(name=n, dims=v.shape,
+                                                            data_type=onnx.helper.np_dtype_to_tensor_dtype(v.dtype)))
+        return export_model_for_inferencing(modelio.DetachedModel(proto, values), inference_model_uri,
+                                            graph_output_names)
 
     # ------------------------------------------------------------------ state
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict:
@@ -554,8 +566,9 @@ class TrainingSession:
         names += list(self.buffers) + [state_of(w, s) for w in self.weights for s in self._builder.state_names_of(w)]
         return [n for n in names if n in self._state]  # under ZeRO, the state of the weights this rank owns
 
-    def _assign(self, values: Mapping[str, np.ndarray]) -> None:
-        """Replace state values (and frozen parameters) after checking every name, shape and dtype."""
+    def _assign(self, values: Mapping[str, np.ndarray], owned: bool = False) -> None:
+        """Replace state values (and frozen parameters) after checking every name, shape and dtype;
+        ``owned``: the arrays are the session's to keep (``StateStore.set``)."""
         frozen = {t.name: t for t in self._model.graph.initializer if t.name in self._frozen}
         if self._dist is not None:  # under ZeRO, other ranks hold the state of the weights they own
             values = {n: v for n, v in values.items() if n not in self._dist.elsewhere}
@@ -570,17 +583,18 @@ class TrainingSession:
         for name in [n for n in checked if n in frozen]:
             frozen[name].CopyFrom(numpy_helper.from_array(checked.pop(name), name))
             self._graphs.clear()  # the graphs hold the frozen values
-        self._state.set(checked)
+        self._state.set(checked, owned=owned)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write weights, optimizer state, step, learning rate and scheduler state to ``path``
         (safetensors, written atomically; see ``gradbuilder.runtime.checkpoint``)."""
-        path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is copied out
-        tensors = {n: self._state.array(n) for n in self._state}
-        tensors.update({f"{w}.grad": np.array(v.numpy(), copy=True) for w, v in self._state.grads.items()})
-        if self._dist is not None:  # one ordinary checkpoint, written by the first rank
-            tensors = self._dist.gathered(tensors, f"gathering the state for checkpoint {os.fspath(path)}")
+        path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is read
+        tensors = {n: self._state[n] for n in self._state}  # OrtValues, written from their own memory
+        tensors.update({f"{w}.grad": v for w, v in self._state.grads.items()})
+        if self._dist is not None:  # one checkpoint, written by the first rank from copies (gathered averages in place)
+            tensors = self._dist.gathered({n: np.array(v.numpy(), copy=True) for n, v in tensors.items()},
+                                          f"gathering the state for checkpoint {os.fspath(path)}")
             if tensors is None:
                 return
         metadata = {
@@ -597,33 +611,44 @@ class TrainingSession:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Resume from ``save_checkpoint``'s file: verified first (integrity, the same model
-        and optimizer); the session changes only when all of it fits."""
-        tensors, metadata = checkpoint.load(path)
-        if metadata.get("model") != self._fingerprint and self._between == fingerprint(
-                self.weights, _without_accumulation({n: v for n, v in tensors.items() if not n.endswith(".grad")}),
-                self._builder.optimizer):
-            if int(tensors.get(ACCUMULATION_STEP, 0)):
+        and optimizer); the session changes only when all of it fits. On the CPU the tensors are
+        read straight into the state's own memory once the whole file has been checked."""
+        reader = checkpoint.open_checkpoint(path)
+        specs, metadata = reader.specs, reader.metadata
+        between = metadata.get("model") != self._fingerprint and self._between == fingerprint(
+            self.weights, _without_accumulation({n: v for n, v in specs.items() if not n.endswith(".grad")}),
+            self._builder.optimizer)
+        if between:
+            step = int(reader.value(ACCUMULATION_STEP)) if ACCUMULATION_STEP in specs else 0
+            if step:
                 raise CheckpointError(f"checkpoint {os.fspath(path)} was saved in the middle of a gradient accumulation"
-                                      " (Accumulation_Step "f"{int(tensors[ACCUMULATION_STEP])}); resume it with the "
-                                      "gradient_accumulation_steps it was saved with")
-            tensors = _without_accumulation(tensors)
-            tensors.update({n: np.zeros(*self._state.spec(n)) for n in self._state
-                            if n == ACCUMULATION_STEP or n.endswith(GRAD_ACCUM)})
+                                      f" (Accumulation_Step {step}); resume it with the gradient_accumulation_steps it "
+                                      "was saved with")
         elif metadata.get("model") != self._fingerprint:
-            ours, theirs = set(self._state), {n for n in tensors if not n.endswith(".grad")}
+            ours, theirs = set(self._state), {n for n in specs if not n.endswith(".grad")}
             detail = []
             if theirs - ours:
                 detail.append(f"it has {sorted(theirs - ours)[:5]} which this session does not")
             if ours - theirs:
                 detail.append(f"it lacks {sorted(ours - theirs)[:5]}")
             for n in sorted(ours & theirs):
-                if tuple(tensors[n].shape) != tuple(self._state[n].shape()):
-                    detail.append(f"'{n}' is {list(tensors[n].shape)}, here {list(self._state[n].shape())}")
+                if tuple(specs[n].shape) != tuple(self._state[n].shape()):
+                    detail.append(f"'{n}' is {list(specs[n].shape)}, here {list(self._state[n].shape())}")
                     break
             raise CheckpointError(f"checkpoint {os.fspath(path)} was saved from another model or optimizer"
                                   + (": " + "; ".join(detail) if detail else ""))
+        into = {}  # the state's own memory, written once the whole file is checked
+        if self._dist is None and self._state.device[0] == "cpu":
+            into = {n: self._state[n].numpy() for n, v in specs.items() if n in self._state
+                    and not (between and n not in _without_accumulation({n: v}))
+                    and self._state.spec(n) == (v.shape, v.dtype)}
+        tensors = reader.read(into)
+        if between:
+            tensors = _without_accumulation(tensors)
+            tensors.update({n: np.zeros(*self._state.spec(n)) for n in self._state
+                            if n == ACCUMULATION_STEP or n.endswith(GRAD_ACCUM)})
         grads = {n[: -len(".grad")]: v for n, v in tensors.items() if n.endswith(".grad")}
-        state = {n: v for n, v in tensors.items() if not n.endswith(".grad")}
+        state = {n: v for n, v in tensors.items() if not n.endswith(".grad") and n not in into}
         if self._dist is not None:  # the state this rank holds (ZeRO: its weights' share)
             grads = {w: v for w, v in grads.items() if w in self._dist.owned}
         scheduler = None
@@ -632,9 +657,10 @@ class TrainingSession:
                                                    fn=getattr(self._scheduler, "fn", None))
         lr = float(metadata.get("learning_rate", self._lr))
         properties = json.loads(metadata.get("properties") or "{}")
-        self._assign(state)
+        skipped_steps = int(metadata.get("skipped_steps", 0))
+        self._assign(state, owned=True)  # checkpoint.load's arrays are new: the state takes them as they are
         self.properties = properties
-        self.skipped_steps = int(metadata.get("skipped_steps", 0))
+        self.skipped_steps = skipped_steps
         self._state.grads = {w: self._state.ortvalue(v) for w, v in grads.items()}
         self._reset_grads = metadata.get("reset_grads", "True") == "True" or not self._state.grads
         self._scheduler = scheduler if scheduler is not None else self._scheduler

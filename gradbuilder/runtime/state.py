@@ -74,10 +74,12 @@ class StateStore:
             out[name] = value
         return out
 
-    def set(self, values: Mapping[str, np.ndarray]) -> None:
-        """Replace values (already checked) with copies on the device."""
+    def set(self, values: Mapping[str, np.ndarray], owned: bool = False) -> None:
+        """Replace values (already checked) with copies on the device; with ``owned``, C-order
+        arrays that nothing else refers to (``checkpoint.load``'s) are taken as they are (on the
+        CPU the state then lies in their memory)."""
         for name, value in values.items():
-            self.values[name] = self.ortvalue(np.array(value, copy=True))
+            self.values[name] = self.ortvalue(value if owned else np.array(value, copy=True))
 
     def move_to(self, device: tuple[str, int]) -> None:
         """Move every value (and gradient) to ``device``."""

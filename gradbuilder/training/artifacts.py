@@ -18,7 +18,7 @@ from .. import compat, files
 from ..compiler import modelio
 from ..errors import InvalidArgumentError
 from ..compiler.passes.cleanup import remove_unused_nodes
-from .stages.optimizer import initial_state
+from .stages.optimizer import initial_states
 from ..compiler.passes.running_stats import buffers_of, inference_form
 from .graph import optimizer_only_model
 from ..interface import STEP, state_of
@@ -34,10 +34,19 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
     depends on its own sample only. The write is atomic. ``base_dir``: where the model's
     external data files are (default: the folder of the model's path)."""
     files.check_output_path(output_path, what="inference model")  # before any work
-    proto = modelio.load_proto(model, base_dir)
+    out = inference_model(model, output_names, weights, base_dir)
+    out.check()
+    out.save(output_path)
+    return str(output_path)
+
+
+def inference_model(model, output_names: Sequence[str], weights: Mapping[str, np.ndarray] | None = None,
+                    base_dir=None) -> modelio.DetachedModel:
+    """What :func:`export_model_for_inferencing` writes, its large tensors kept apart (never
+    in one protobuf: a model over 2 GB is written with external data)."""
+    proto, large = modelio.load_detached(model, base_dir, list(weights or {}))
     compat.check_for_runtime(proto)
     proto = inference_form(proto)
-    modelio.lift_constants(proto, list(weights or {}))
     inits = {t.name: t for t in proto.graph.initializer}
     for name, value in (weights or {}).items():
         if name not in inits:
@@ -48,8 +57,8 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
         if list(value.shape) != list(old.dims):
             raise InvalidArgumentError(
                 f"weights: '{name}' has shape {list(value.shape)}, the model's initializer {list(old.dims)}")
-        new = numpy_helper.from_array(value.astype(onnx.helper.tensor_dtype_to_np_dtype(old.data_type)), name)
-        old.CopyFrom(new)
+        large[name] = value.astype(onnx.helper.tensor_dtype_to_np_dtype(old.data_type), copy=False)
+        old.CopyFrom(onnx.TensorProto(name=name, data_type=old.data_type, dims=old.dims))  # its value: in large
     names = list(output_names)
     if not names:
         raise InvalidArgumentError("output_names is empty: name at least one output to keep")
@@ -67,10 +76,7 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
     read = {v.name for n in ir.traversal.RecursiveGraphIterator(ir_model.graph) for v in n.inputs if v is not None}
     for v in [v for v in ir_model.graph.inputs if v.name not in read and not v.is_graph_output()]:
         ir_model.graph.inputs.remove(v)  # read only by what was dropped (e.g. the loss's labels)
-    out = modelio.DetachedModel(ir.to_proto(ir_model), {})
-    out.check()
-    out.save(output_path)
-    return str(output_path)
+    return modelio.DetachedModel(ir.to_proto(ir_model), large)
 
 
 def _output_values(graph: ir.Graph, values: list[ir.Value]) -> list[ir.Value]:
@@ -134,7 +140,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
                                           "checkpoint.npz")}
     directory = _check_artifact_paths(artifact_directory, names)
-    proto = modelio.load_proto(model, base_dir)
+    proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, read once
     warn_inference_export(proto)
     warn_merged_parameters(proto)
     compat.check_for_runtime(proto)
@@ -153,29 +159,44 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     modelio.lift_constants(proto, weights)
     _check_weights(proto, weights, buffers)
     options = resolve(optimizer, optimizer_options)
-    training = GradientGraphBuilder(proto, weights, [loss_name], loss_name, running_statistics=True)
+    training = GradientGraphBuilder(modelio.DetachedModel(proto, large), weights, [loss_name], loss_name,
+                                    running_statistics=True)
     training._warn_about_model = False  # said above
     training.build()
-    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
-    optimizer_model = optimizer_only_model({w: inits[w] for w in weights}, optimizer, options)
-    state = {STEP: np.array(0, np.int64), **{b: inits[b] for b in buffers}}
-    for w in weights:
-        state[w] = inits[w]
-        for s, value in initial_state(optimizer, options, inits[w]).items():
-            state[state_of(w, s)] = value
+    inits = {t.name: t for t in proto.graph.initializer}
+    values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in [*weights, *buffers]}
+    optimizer_model = optimizer_only_model({w: values[w] for w in weights}, optimizer, options)
 
-    training_model = training._built()
-    data_name = names["training_model.onnx"] + ".data"  # only for a training model over 2 GB
-    keys = ([data_name] if training_model.uses_external_data() else []) + list(names)
+    def checkpoint():  # one array at a time: the optimizer states are made as they are written
+        yield STEP, np.array(0, np.int64)
+        yield from ((b, values[b]) for b in buffers)
+        for w in weights:
+            yield w, values[w]
+            yield from ((state_of(w, s), v) for s, v in initial_states(optimizer, options, values[w]))
+
+    models = {"training_model.onnx": training._built(),
+              "eval_model.onnx": modelio.DetachedModel(inference_form(proto), large),
+              "optimizer_model.onnx": modelio.DetachedModel(optimizer_model, {})}
+    data = {key: names[key] + ".data" for key, m in models.items() if m.uses_external_data()}  # over 2 GB
+    keys = list(data.values()) + list(names)
     with files.output_directory(directory, what="artifact directory"), \
             files.atomic_write(*(directory / names.get(k, k) for k in keys), what="artifacts") as temps:
         tmp = dict(zip(keys, temps))
-        training_model.write(tmp["training_model.onnx"], tmp.get(data_name), data_name)
-        onnx.save(inference_form(proto), tmp["eval_model.onnx"])
-        onnx.save(optimizer_model, tmp["optimizer_model.onnx"])
-        with open(tmp["checkpoint.npz"], "wb") as f:  # (a path would get ".npz" appended)
-            np.savez(f, **state)
+        for key, m in models.items():
+            m.write(tmp[key], tmp.get(data.get(key)), data.get(key))
+        _write_npz(tmp["checkpoint.npz"], checkpoint())
     return {key: str(directory / name) for key, name in names.items()}
+
+
+def _write_npz(path, arrays) -> None:
+    """numpy's npz (what ``numpy.savez`` writes: a zip of ``<name>.npy`` members, ZIP64 where
+    large) from (name, array) pairs, written one array at a time."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, array in arrays:
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
 def _check_artifact_paths(artifact_directory, names: dict[str, str]):

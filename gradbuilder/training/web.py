@@ -61,7 +61,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         raise InvalidArgumentError(f"lr must be a finite number >= 0, got {lr!r}")
     plain = _plain_optimizer(optimizer)
     directory = _check_artifact_paths(directory, {n: n for n in NAMES})
-    proto = modelio.load_proto(model, base_dir)
+    proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, never in one protobuf
     compat.check_for_runtime(proto)
     if loss is not None:
         proto = append_loss(proto, loss, loss_output or proto.graph.output[0].name, target_name=target_name,
@@ -82,15 +82,17 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         attributes["max_norm_clip"] = max_grad_norm
     if attributes:
         params.optimizer_attributes_map = {w: attributes for w in weights}
-    builder = from_parameters(proto, params, weights=weights)
+    builder = from_parameters(modelio.DetachedModel(proto, large), params, weights=weights)
     builder._warn_about_model = False
-    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
-    state = {**builder.initial_state({w: inits[w] for w in weights}), **{n: inits[n] for n in weights + buffers}}
+    inits = {t.name: t for t in proto.graph.initializer}
+    values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in weights + buffers}
+    state = {**builder.initial_state({w: values[w] for w in weights}), **values}
 
-    training = builder.build().model_proto
-    modelio.weights_as_inputs(training, weights + buffers)
-    evaluation = eval_model(proto)
-    modelio.weights_as_inputs(evaluation, weights + buffers)
+    graphs = []
+    for m in (builder.build()._built().skeleton, eval_model(proto)):
+        modelio.weights_as_inputs(m, weights + buffers)  # fed from the state
+        graphs.append(modelio.DetachedModel(m, large).to_proto())  # with the frozen parameters' values
+    training, evaluation = graphs
     pairs = state_interface(training)
     keep = [o.name for o in proto.graph.output if o.name != loss_name] or [loss_name]
     for m in (training, evaluation):
@@ -115,7 +117,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         tmp = dict(zip(NAMES, temps))
         onnx.save(training, tmp["training_model.onnx"])
         onnx.save(evaluation, tmp["eval_model.onnx"])
-        manifest["inference"] = _inference(proto, keep, tmp["inference_model.onnx"],
+        manifest["inference"] = _inference(modelio.DetachedModel(proto, large), keep, tmp["inference_model.onnx"],
                                            tmp["inference_model.onnx.data"], set(weights) | set(buffers))
         with open(tmp["state.safetensors"], "wb") as f:
             f.write(safetensors_bytes({n: state[n] for n, _ in pairs}))
@@ -149,23 +151,20 @@ def _signature(proto: onnx.ModelProto, given: set[str]) -> dict:
             "outputs": [o.name for o in proto.graph.output if not o.name.endswith(updated(""))]}
 
 
-def _inference(proto: onnx.ModelProto, keep: list[str], model_path, data_path, trained: set[str]) -> dict:
+def _inference(source: modelio.DetachedModel, keep: list[str], model_path, data_path, trained: set[str]) -> dict:
     """The inference model with every initializer in one external data file; the manifest's
     entry: the data file's name and where each trained tensor lies in it."""
-    import tempfile
+    from .artifacts import inference_model
 
-    from .artifacts import export_model_for_inferencing
-
-    with tempfile.TemporaryDirectory() as tmp:
-        plain = os.path.join(tmp, "inference.onnx")
-        export_model_for_inferencing(proto, plain, keep)
-        model = onnx.load(plain)
+    detached = inference_model(source, keep)
+    detached.check()
+    model = detached.skeleton
     _lowest_ir(model)
     data_name = "inference_model.onnx.data"
     tensors, offset = [], 0
     with open(data_path, "wb") as data:
         for t in model.graph.initializer:
-            value = numpy_helper.to_array(t)
+            value = detached.weights[t.name] if t.name in detached.weights else numpy_helper.to_array(t)
             raw = value.astype(value.dtype.newbyteorder("<")).tobytes()
             pad = (-offset) % 64  # aligned, as onnx's external-data writer aligns large tensors
             data.write(b"\0" * pad)
@@ -173,8 +172,10 @@ def _inference(proto: onnx.ModelProto, keep: list[str], model_path, data_path, t
             data.write(raw)
             if t.name in trained:
                 tensors.append({"name": t.name, "offset": offset, "length": len(raw), **_spec(value)})
-            onnx.external_data_helper.set_external_data(t, data_name, offset, len(raw))
             t.ClearField("raw_data")
+            del t.external_data[:]
+            for key, entry in (("location", data_name), ("offset", offset), ("length", len(raw))):
+                t.external_data.add(key=key, value=str(entry))
             t.data_location = onnx.TensorProto.EXTERNAL
             for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
                 t.ClearField(field)

@@ -136,11 +136,13 @@ def test_gather_float16(rng):
 
 
 def test_gather_accumulation_by_opset(rng):
-    """Repeats: ScatterND add from opset 16, one-hot MatMul before; unique indices: plain ScatterND."""
+    """Repeats: a sorted segment sum from opset 16 (the rule's ScatterND add, which races on
+    onnxruntime's threads, rewritten), one-hot MatMul before; unique indices: plain ScatterND."""
     repeated = [("x", arr(rng, 5, 3)), ("i", np.array([1, 1, 2]))]
     unique = [("x", arr(rng, 5, 3)), ("i", np.array([1, -1, 2]))]
     assert "MatMul" in grad_op_types("Gather", repeated, opset=13)
-    assert "ScatterND" in grad_op_types("Gather", repeated, opset=16)
+    assert {"TopK", "CumSum"} <= set(grad_op_types("Gather", repeated, opset=16))
+    assert "ScatterND" not in grad_op_types("Gather", repeated, opset=16)
     assert "MatMul" not in grad_op_types("Gather", unique, opset=13)
     assert "ScatterND" in grad_op_types("Gather", unique, opset=13)
 

@@ -19,6 +19,14 @@ read-modify-write:
     ends = the last position of each run of equal rows
     out = ScatterND(data, r[ends], data[r[ends]] + (c[ends] - c[previous end]))   unique rows
 
+When data is zeros (every gradient's case) no zeros of data's size are made: onnxruntime
+would fold them into a constant held for the session's life, and the ScatterND would copy
+them. The rows are gathered instead from the sums behind one zero row, each row reading its
+place among the sums (0: none): the gradient is written once. A scalar multiple of those rows
+(SGD's ``lr * g``) is gathered from the scaled sums, ``Gather(T, p) * s = Gather(T * s, p)``
+exactly: the update then reads no weight-sized product of the gradient, and the gradient's
+memory is free once the finiteness check has read it.
+
 Each row's sum is a difference of float64 prefix sums (float32 values: exact to 1e-16 of
 their magnitude). The other reductions (mul, max, min) become the ScatterElements along
 axis 0 of the same view. Every such ScatterND in the finished graph is rewritten, the forward
@@ -33,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import Emitter, attr, dims_of
+from ..registry import Emitter, attr, constant_of, dims_of
 
 _INT64_MAX = 2**63 - 1
 
@@ -64,7 +72,8 @@ def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
         else:
             view = _RowView(e, node)
             if _reduction(node) == "add":
-                out = view.restore(_segment_sum(e, view.data, view.rows, view.updates))
+                out = view.restore(_segment_sum(e, view.data, view.rows, view.updates,
+                                                view.count if _is_zeros(data) else None))
             else:
                 out = view.restore(e.ScatterElements(view.data, e.Expand(e.reshape(view.rows, [-1, 1]), view.one_rest),
                                                      view.updates, axis=0, reduction=_reduction(node)))
@@ -77,6 +86,9 @@ def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
         out.meta.update(old.meta)
         old.replace_all_uses_with(out, replace_graph_outputs=True)
         graph.remove(node, safe=True)
+        gather = out.producer().inputs[0].producer() if out.producer() is not None else None
+        if gather is not None and gather.op_type == "Gather" and gather.name.startswith(e.scope):
+            _scale_before_gather(ctx, gather.outputs[0], *gather.inputs)
 
 
 class _RowView:
@@ -93,6 +105,7 @@ class _RowView:
             rows = int(np.prod(lead, dtype=np.int64))
             numbered = e.reshape(e.Range(e.const(0), e.const(rows), e.const(1)), lead)
             rows_rest, self.one_rest, per_update = e.ints([rows, rest]), e.ints([1, rest]), e.ints([-1, rest])
+            self.count = e.ints([rows])
             self.shape = e.ints(list(dd))
         else:
             self.shape = e.Shape(data)
@@ -102,6 +115,7 @@ class _RowView:
             rest_v = e.reduce("ReduceProd", e.Slice(self.shape, k_v, e.ints([_INT64_MAX])), [0], keepdims=True)
             numbered = e.Reshape(e.Range(e.const(0), e.reshape(rows_v, []), e.const(1)), lead_v)
             rows_rest = e.Concat(rows_v, rest_v, axis=0)
+            self.count = rows_v
             self.one_rest = e.Concat(e.ints([1]), rest_v, axis=0)
             per_update = e.Concat(e.ints([-1]), rest_v, axis=0)
         self.rows = e.reshape(e.GatherND(numbered, idx), [-1])
@@ -112,8 +126,25 @@ class _RowView:
         return self.e.Reshape(flat, self.shape)
 
 
-def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value) -> ir.Value:
-    """data [R, rest] with updates [M, rest] added at rows [M] (ints in [0, R)), by sorting."""
+def _is_zeros(value: ir.Value) -> bool:
+    """An Expand or ConstantOfShape of a constant 0 (through Reshapes)."""
+    node = value.producer()
+    while node is not None and node.op_type == "Reshape":
+        node = node.inputs[0].producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "Expand":
+        fill = constant_of(node.inputs[0])
+        return fill is not None and fill.size == 1 and float(fill.reshape(-1)[0]) == 0.0
+    if node.op_type == "ConstantOfShape":
+        fill = attr(node, "value")
+        return fill is None or not np.any(ir.tensor(fill).numpy())
+    return False
+
+
+def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value, zero_rows=None) -> ir.Value:
+    """data [R, rest] with updates [M, rest] added at rows [M] (ints in [0, R)), by sorting.
+    ``zero_rows``: data is zeros, and this is R (a 1-element int64 tensor)."""
     sorted_rows, order = e.op("TopK", rows, e.Shape(rows), outputs=2, largest=0, sorted=1)
     wide = e.Cast(e.Gather(updates, order, axis=0), to=int(ir.DataType.DOUBLE))
     sums = e.CumSum(wide, e.const(np.array(0, np.int64)))
@@ -123,8 +154,42 @@ def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value) 
                        e.Gather(sums, ends, axis=0), axis=0)
     segment = e.Sub(e.Slice(at_ends, e.ints([1]), e.ints([_INT64_MAX])), e.Slice(at_ends, e.ints([0]), e.ints([-1])))
     targets = e.Gather(sorted_rows, ends, axis=0)
+    if zero_rows is not None:
+        place = e.ScatterElements(e.Expand(e.const(np.array(0, np.int64)), zero_rows), targets,
+                                  e.Range(e.const(1), e.Add(e.Size(targets), e.const(1)), e.const(1)), axis=0)
+        table = e.Concat(e.Slice(at_ends, e.ints([0]), e.ints([1])), segment, axis=0)  # a zero row, the sums
+        return e.Gather(e.CastLike(table, data), place, axis=0)
     total = e.Add(e.Cast(e.Gather(data, targets, axis=0), to=int(ir.DataType.DOUBLE)), segment)
     return e.ScatterND(data, e.reshape(targets, [-1, 1]), e.CastLike(total, data))
+
+
+def _scale_before_gather(ctx, gathered: ir.Value, table: ir.Value, place: ir.Value) -> None:
+    """Each reader ``Mul(v, s)`` (or ``Mul(s, v)``) of ``gathered`` or of a Reshape chain from
+    it, with ``s`` a scalar, becomes the same Reshapes of ``Gather(table * s, place)``."""
+    chain = [(gathered, [])]  # (value, the Reshape shapes from gathered to it)
+    while chain:
+        value, shapes = chain.pop()
+        for reader, _ in list(value.uses()):
+            if reader.op_type == "Reshape" and reader.domain in ("", "ai.onnx") and reader.inputs[0] is value:
+                chain.append((reader.outputs[0], shapes + [reader.inputs[1]]))
+                continue
+            if reader.op_type != "Mul" or reader.domain not in ("", "ai.onnx"):
+                continue
+            scale = reader.inputs[1] if reader.inputs[0] is value else reader.inputs[0]
+            if dims_of(scale) != () or scale is value or scale.dtype != table.dtype:
+                continue
+            e = Emitter(reader.graph, ctx.opset, ctx.emitter.used_names)
+            e.scope = f"{reader.name or 'Mul'}/"
+            scaled = e.Gather(e.Mul(table, scale), place, axis=0)
+            for shape in shapes:
+                scaled = e.Reshape(scaled, shape)
+            reader.graph.remove(e.nodes)
+            reader.graph.insert_before(reader, e.nodes)
+            product = reader.outputs[0]
+            scaled.dtype, scaled.shape = product.dtype, product.shape
+            product.replace_all_uses_with(scaled, replace_graph_outputs=True)
+            if not product.is_graph_output():
+                reader.graph.remove(reader, safe=True)
 
 
 def _elements_add(e: Emitter, node: ir.Node) -> ir.Value:

@@ -62,11 +62,16 @@ def state_dtype_of(state: str, weight_dtype, half):
 
 def initial_state(name: str, options: dict, weight, half=None) -> dict:
     """Each state's first value, in its stored type (see HALF_STATES; ``half`` a numpy dtype)."""
+    return dict(initial_states(name, options, weight, half))
+
+
+def initial_states(name: str, options: dict, weight, half=None):
+    """(state, first value) pairs, each made when it is reached (one weight-sized array at a time)."""
     import numpy as np
 
     fill = OPTIMIZERS[name].fills(options)
-    return {s: np.full(weight.shape, fill, dtype=state_dtype_of(s, weight.dtype, half))
-            for s in state_names(name, options)}
+    for s in state_names(name, options):
+        yield s, np.full(weight.shape, fill, dtype=state_dtype_of(s, weight.dtype, half))
 
 
 def resolve(name: str, options: dict | None) -> dict:
