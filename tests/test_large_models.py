@@ -172,5 +172,41 @@ def test_the_whole_flow_of_a_large_model(tmp_path, gib):
     assert checks["npz"] == ["E", "Step", "W"] and checks["npz E"], checks
 
 
+@pytest.mark.slow
+def test_the_command_line_trains_and_exports_a_model_over_2_gb(tmp_path):
+    """``gradbuilder train -o`` and ``gradbuilder export-web`` on a 2.1 GiB model: the trained
+    inference model and the web artifacts keep the table in external data, and load."""
+    import onnx
+    import onnxruntime as ort
+
+    from gradbuilder.testing import embedding_model_on_disk
+
+    path, nbytes = embedding_model_on_disk(tmp_path, 2.1)
+    rows = nbytes // 4096
+    rng = np.random.default_rng(2)
+    np.savez(tmp_path / "data.npz", ids=rng.integers(0, rows, 64), labels=rng.integers(0, 4, 64))
+    trained = tmp_path / "trained.onnx"
+    cli = [sys.executable, "-m", "gradbuilder.cli"]
+    run = subprocess.run(cli + ["train", path, "--data", str(tmp_path / "data.npz"), "--steps", "2", "--batch-size", "32",
+                                "--optimizer", "sgd", "--lr", "0.5", "-o", str(trained)],
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert os.path.getsize(str(trained) + ".data") >= nbytes
+    onnx.checker.check_model(str(trained))
+    infer = ort.InferenceSession(str(trained), providers=["CPUExecutionProvider"])
+    assert [o.name for o in infer.get_outputs()] == ["logits"]
+    assert infer.run(None, {"ids": np.array([0, rows - 1])})[0].shape == (2, 4)
+    del infer
+    web = tmp_path / "web"
+    run = subprocess.run(cli + ["export-web", path, "--optimizer", "sgd", "-o", str(web)],
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for name in ("training_model.onnx", "eval_model.onnx", "inference_model.onnx"):
+        onnx.checker.check_model(str(web / name))
+    assert os.path.getsize(web / "training_model.onnx") < 2**20  # the weights are fed from the state
+    assert os.path.getsize(web / "inference_model.onnx.data") >= nbytes
+    assert os.path.getsize(web / "state.safetensors") >= nbytes
+
+
 if __name__ == "__main__":
     print(json.dumps(child(sys.argv[1], float(sys.argv[2]))))
