@@ -311,9 +311,10 @@ class TorchTrainer:
         return float(value)
 
 
-def make_training_session(onnx_model, threads: int, device: str, profile: bool = False) -> TrainingSession:
+def make_training_session(onnx_model, threads: int, device: str, profile: bool = False,
+                          deterministic: bool = False) -> TrainingSession:
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
-                                enable_grad_norm_clip=False)
+                                enable_grad_norm_clip=False, deterministic_compute=deterministic)
     sess = TrainingSession(onnx_model, params, sess_options=session_options(threads, profile),
                            providers=ort_providers(device))
     sess.set_learning_rate(LR)
@@ -324,8 +325,8 @@ class SessionTrainer:
     """gradbuilder's TrainingSession: one run_with_ort_values per step."""
 
     def __init__(self, onnx_model, feeds: dict[str, ort.OrtValue], threads: int, device: str,
-                 profile: bool = False):
-        self.sess = make_training_session(onnx_model, threads, device, profile)
+                 profile: bool = False, deterministic: bool = False):
+        self.sess = make_training_session(onnx_model, threads, device, profile, deterministic)
         self.feeds = feeds
 
     def step(self):
@@ -488,7 +489,8 @@ def child_main(args) -> None:
         module.load_state_dict(torch.load(os.path.join(args.dir, "state.pt")))
         contender = TorchTrainer(module, inputs)
     else:
-        contender = SessionTrainer(os.path.join(args.dir, "model.onnx"), inputs, args.threads, device)
+        contender = SessionTrainer(os.path.join(args.dir, "model.onnx"), inputs, args.threads, device,
+                                   deterministic=args.deterministic)
     timed_steps(contender, steps, device, [], [])
 
     out = {"host_peak_mib": rss_mib("VmHWM") - base}
@@ -511,7 +513,7 @@ def measure_memory(name: str, module: nn.Module, onnx_bytes: bytes, batch, args)
         for contender in ("pytorch", "trainingsession"):
             cmd = [sys.executable, os.path.abspath(__file__), "--child", contender, "--model", name, "--dir", tmp,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--threads", str(args.threads),
-                   "--device", args.device]
+                   "--device", args.device] + (["--deterministic"] if args.deterministic else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
@@ -548,7 +550,8 @@ def bench_model(name: str, args) -> dict:
     torch.set_num_threads(args.threads)
     contenders = {
         "pytorch": TorchTrainer(copy.deepcopy(module), torch_inputs(batch, args.device), args.fused),
-        "trainingsession": SessionTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device),
+        "trainingsession": SessionTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device,
+                                          deterministic=args.deterministic),
         "ort_forward": OrtForward(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device),
     }
     if args.stepwise:
@@ -652,6 +655,8 @@ def parse_args(argv=None):
                     help="torch.onnx.export mode (see the module docstring)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     ap.add_argument("--fused", action="store_true", help="PyTorch with AdamW(fused=True), one kernel per step")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="TrainingSession with deterministic_compute (the same bits every run on CUDA too)")
     ap.add_argument("--stepwise", action="store_true",
                     help="also time the step-wise API (lazy_reset_grad, train_step, optimizer_step) as a user's loop")
     ap.add_argument("--profile", action="store_true", help="profile the TrainingSession step with onnxruntime")
