@@ -53,7 +53,8 @@ def transformer_model() -> onnx.ModelProto:
     from .torch_models import TinyEncoder, export
 
     tokens, labels = torch.randint(0, 32, (4, 6)), torch.randint(0, 4, (4,))
-    return export(TinyEncoder(32, classes=4).eval(), (tokens, labels), ["tokens", "labels"], dynamo=False, opset=17,
+    # in training mode (its dropout is off): an eval-mode export would merge the cloned layers' equal weights
+    return export(TinyEncoder(32, classes=4).train(), (tokens, labels), ["tokens", "labels"], dynamo=False, opset=17,
                   dynamic_batch=True)
 
 

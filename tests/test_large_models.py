@@ -30,22 +30,6 @@ SAVE_LIMIT = 0.1  # save_checkpoint adds at most this (it writes from the state'
 LOAD_LIMIT = 0.1  # load_checkpoint on the CPU: read into the state's own memory once the file is checked
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _rows(path, indices) -> np.ndarray:
     """Rows of the table file, read with pread (a memory map's pages would count as resident)."""
     with open(path, "rb") as f:
@@ -72,23 +56,23 @@ def child(directory: str, gib: float) -> dict:
     import onnxruntime as ort
 
     from gradbuilder import GradientGraphBuilder, TrainingParameters, TrainingSession
-    from gradbuilder.testing import embedding_model_on_disk
+    from gradbuilder.testing import embedding_model_on_disk, reset_peak, resident_bytes
     from gradbuilder.training.artifacts import generate_artifacts
 
     path, nbytes = embedding_model_on_disk(directory, gib)
     rows = nbytes // (1024 * 4)
-    base = _status("VmRSS")
+    base = resident_bytes("VmRSS")
     peaks, checks = {}, {}
     rng = np.random.default_rng(1)
     ids, labels = rng.integers(0, rows, 64), rng.integers(0, 4, 64)
     lr = 0.5
 
     def stage(name, call):
-        _reset_peak()
-        before = _status("VmRSS")
+        reset_peak()
+        before = resident_bytes("VmRSS")
         out = call()
-        peaks[name] = (_status("VmHWM") - base) / nbytes
-        peaks[name + " added"] = (_status("VmHWM") - before) / nbytes
+        peaks[name] = (resident_bytes("VmHWM") - base) / nbytes
+        peaks[name + " added"] = (resident_bytes("VmHWM") - before) / nbytes
         return out
 
     grad_path = os.path.join(directory, "grad.onnx")

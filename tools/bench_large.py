@@ -38,28 +38,15 @@ WIDTH = 1024  # the table's width (gradbuilder.testing.embedding_model_on_disk)
 STAGES = ("build", "session", "step", "save", "load", "export", "artifacts")
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def run(args) -> int:
     from gradbuilder import GradientGraphBuilder, TrainingParameters, TrainingSession
-    from gradbuilder.testing import embedding_model_on_disk
+    from gradbuilder.testing import embedding_model_on_disk, reset_peak, resident_bytes
     from gradbuilder.training.artifacts import generate_artifacts
 
     work = tempfile.mkdtemp(prefix="bench_large_")
     path, nbytes = embedding_model_on_disk(work, args.gib)
     gc.collect()
-    base = _status("VmRSS")
+    base = resident_bytes("VmRSS")
     print(f"model: {path}, E {nbytes / 2**30:.2f} GiB in external data; resident before: {base / 2**20:.0f} MiB")
     rng = np.random.default_rng(1)
     feeds = {"ids": rng.integers(0, nbytes // (WIDTH * 4), 64), "labels": rng.integers(0, 4, 64)}
@@ -96,7 +83,7 @@ def run(args) -> int:
     print(f"{'stage':<10} {'seconds':>8} {'peak over base':>16} {'x weights':>10}")
     for name in args.stages:
         gc.collect()
-        _reset_peak()
+        reset_peak()
         t0 = time.perf_counter()
         try:
             stages[name]()
@@ -104,7 +91,7 @@ def run(args) -> int:
             failed.append(name)
             print(f"{name:<10} failed: {type(exc).__name__}: {str(exc)[:300]}")
             continue
-        peak = _status("VmHWM") - base
+        peak = resident_bytes("VmHWM") - base
         ratio = peak / nbytes
         flag = "" if ratio < args.limit else f"  over {args.limit}x"
         if flag:

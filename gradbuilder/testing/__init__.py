@@ -888,3 +888,22 @@ def embedding_model_on_disk(directory, gib: float, width: int = 1024) -> tuple[s
     path = os.path.join(directory, "embedding.onnx")
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
     return path, rows * width * 4
+
+
+def resident_bytes(key: str = "VmRSS") -> int:
+    """This process's resident size (``VmRSS``) or its peak since the last :func:`reset_peak`
+    (``VmHWM``), from /proc/self/status (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> None:
+    """Make the peak resident size (``VmHWM``) the present one (Linux's /proc/self/clear_refs)."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
