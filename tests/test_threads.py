@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder, TrainingParameters, TrainingSession
+from gradbuilder.testing import racing_nodes
 
 from .helpers import make_model, tensor, vi
 
@@ -50,18 +51,8 @@ def _gradient_model(nodes, inputs, inits, weight, opset=18) -> bytes:
 
 
 def _no_reducing_scatter_nd(model: bytes) -> None:
-    nodes = [n for g in _graphs(onnx.load_from_string(model).graph) for n in g.node]
-    racing = [n.name for n in nodes if n.op_type == "ScatterND"
-              and any(a.name == "reduction" and a.s not in (b"", b"none") for a in n.attribute)]
+    racing = racing_nodes(onnx.load_from_string(model).graph)
     assert not racing, f"ScatterND with a reduction left in the graph: {racing}"
-
-
-def _graphs(graph):
-    yield graph
-    for n in graph.node:
-        for a in n.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                yield from _graphs(g)
 
 
 @pytest.mark.parametrize("axis", [0, 1])

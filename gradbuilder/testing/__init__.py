@@ -603,9 +603,26 @@ def ort_grad_session(model, weights: Sequence[str], feeds: Mapping[str, np.ndarr
     every output name (``loss``, ``<w>_grad``) to its value. The session is returned for
     further runs (finite differences on onnxruntime)."""
     built = GradientGraphBuilder(model, weights=list(weights), outputs=[loss], loss=loss).build().get_model()
+    racing = racing_nodes(onnx.load_from_string(built).graph)
+    assert not racing, f"the gradient graph holds nodes that race on onnxruntime's CPU threads: {racing}"
     sess = ort_session(built)
     run_feeds = {i.name: feeds[i.name] for i in sess.get_inputs() if i.name in feeds}
     return sess, dict(zip([o.name for o in sess.get_outputs()], sess.run(None, run_feeds)))
+
+
+def racing_nodes(graph: onnx.GraphProto) -> list[str]:
+    """The nodes of ``graph`` (its subgraphs too) whose onnxruntime CPU kernel adds into shared
+    places from several threads at once (ScatterND with a reduction; see
+    ``compiler/passes/race_free_scatter.py``): a graph gradbuilder writes has none."""
+    found = []
+    for node in graph.node:
+        if node.op_type == "ScatterND" and node.domain in ("", "ai.onnx") and any(
+                a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute):
+            found.append(f"{node.op_type} '{node.name}'")
+        for a in node.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                found += racing_nodes(sub)
+    return found
 
 
 def ort_grads(model, weights: Sequence[str], feeds: Mapping[str, np.ndarray], *, loss: str = "loss"
