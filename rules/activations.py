@@ -8,7 +8,8 @@ follows PyTorch's convention.
 
 import math
 
-from gradbuilder.compiler.registry import attr, constant_of, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, optional_input
 
 
 # ----------------------------------------------------------------------------- helpers

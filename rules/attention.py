@@ -41,7 +41,8 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.autodiff import captures, walk
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of, optional_input
 from gradbuilder.rules.sizes import (
     INT64_MAX,
     Dims,

@@ -25,7 +25,8 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.autodiff import is_float, node_inputs, walk
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import TRIPS, attr, register
+from gradbuilder.compiler.registry import TRIPS, register
+from gradbuilder.compiler.values import attr
 
 
 def _clone(graph: ir.Graph, e, suffix: str) -> ir.Graph:

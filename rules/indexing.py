@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input
 from gradbuilder.rules.sizes import (
     Dims,
     accumulation_type,

@@ -14,7 +14,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, broadcast_dims, constant_of, dims_of, register, unknown_rank
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, broadcast_dims, constant_of, dims_of, unknown_rank
 from gradbuilder.rules.sizes import INT64_MAX, iadd, isub, reshape_like, vec
 
 

@@ -19,7 +19,8 @@ sample's loss receives (dy, dy broadcast, or dy/sum(W))::
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of
 
 
 def _class_vector(e, v, x):

@@ -12,7 +12,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of
 from gradbuilder.rules.sizes import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec
 
 # ----------------------------------------------------------------------------- helpers

@@ -13,7 +13,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of, unknown_rank
 from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
 from gradbuilder.rules.sizes import cast_to, dim, is_static, reshape_to
 from gradbuilder.rules.windows import conv_transpose_fitted, window_axes

@@ -31,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, register, register_stop_gradient_edges
+from gradbuilder.compiler.registry import register, register_stop_gradient_edges
+from gradbuilder.compiler.values import attr
 from gradbuilder.rules.indexing import _segment_sum
 from gradbuilder.rules.sizes import Dims, imul, iprod, reshape_like, scalar_of
 

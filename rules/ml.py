@@ -16,7 +16,8 @@ import math
 import numpy as np
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of
 
 ML = "ai.onnx.ml"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import dims_of
+from gradbuilder.compiler.values import dims_of
 from gradbuilder.rules.sizes import HALF_TYPES, cast_to
 
 

@@ -21,7 +21,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of
 from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
 from gradbuilder.rules.sizes import cast_to, static_dims
 

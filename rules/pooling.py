@@ -14,7 +14,8 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, dims_of, register, unknown_rank
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of, unknown_rank
 from gradbuilder.rules.sizes import dim, iadd, imul, is_static, isub, known, reshape_to, stack
 from gradbuilder.rules.windows import conv_fitted, conv_transpose_fitted, fit, frame_of, window_axes
 

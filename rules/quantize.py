@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, dims_of, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of, optional_input
 from gradbuilder.rules.sizes import Dims, pad_axis, reshape_like
 
 # x types whose zero point is 0 by definition (the reference ignores it)

@@ -39,7 +39,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}

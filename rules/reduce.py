@@ -1,7 +1,8 @@
 """The Reduce family. Each gradient is ``dy`` restored to the input's rank, broadcast back,
 times the local derivative of the reduction."""
 
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of
 
 
 def reduce_axes(n):

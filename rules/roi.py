@@ -33,7 +33,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, dims_of, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, dims_of
 from gradbuilder.rules.sizes import arange, dim, imul, is_static, stack
 
 

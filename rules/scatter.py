@@ -31,7 +31,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input
 from gradbuilder.rules.sizes import Dims, accumulation_type, as_int64, cast_to, reshape_like, scalar_of, vec, zeros
 
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, optional_input
 from gradbuilder.rules.sizes import INT64_MAX, Dims, cast_to, iadd, isub, reverse, scalar_of, stack
 
 

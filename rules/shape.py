@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input, unknown_rank
 from gradbuilder.rules.sizes import (
     INT64_MAX,
     Dims,

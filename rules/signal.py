@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import attr, constant_of, optional_input, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, optional_input
 from gradbuilder.rules.sizes import (
     Dims,
     accumulation_type,

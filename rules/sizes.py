@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import constant_of, dims_of, unknown_rank
+from gradbuilder.compiler.values import constant_of, dims_of, unknown_rank
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)

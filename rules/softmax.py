@@ -8,7 +8,8 @@ forward's input cannot hold -inf (``passes.finite_inputs`` marks those nodes).
 
 import onnx_ir as ir
 
-from gradbuilder.compiler.registry import FINITE_INPUT, attr, register
+from gradbuilder.compiler.registry import FINITE_INPUT, register
+from gradbuilder.compiler.values import attr
 from gradbuilder.rules.sizes import cast_to
 
 

@@ -27,7 +27,8 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, constant_of, dims_of, optional_input, register, unknown_rank
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input, unknown_rank
 from gradbuilder.rules.sizes import (
     HALF_TYPES,
     Dims,

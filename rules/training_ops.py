@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradbuilder.compiler.registry import attr, register
+from gradbuilder.compiler.registry import register
+from gradbuilder.compiler.values import attr
 
 TRAINING = "ai.onnx.preview.training"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.compiler.registry import attr, dims_of, unknown_rank
+from gradbuilder.compiler.values import attr, dims_of, unknown_rank
 from gradbuilder.rules.sizes import dim, iadd, idiv, imax, imin, imul, is_static, isub, known, stack
 
 Len = "int | ir.Value"  # a size: see gradbuilder.rules.sizes

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.compiler.registry import Emitter
+from gradbuilder.compiler.emitter import Emitter
 from gradbuilder.runtime.runner import SLOWER_FUSIONS, compile_graph
 from gradbuilder.training.stages.optimizer import OPTIMIZERS, add_optimizer, initial_state, resolve
 

@@ -14,7 +14,8 @@ import onnx_ir as ir
 
 from . import registry
 from ..errors import GradientRuleError, UnsupportedOpError
-from .registry import FLOAT_TYPES, Emitter
+from .values import FLOAT_TYPES, dims_of
+from .emitter import Emitter
 
 
 def is_float(value: ir.Value) -> bool:
@@ -47,7 +48,7 @@ class _Accumulator:
         parts = self.parts.setdefault(value, [])
         if self.eager and parts:
             grad = self.e.Add(parts.pop(), grad)
-            self.e.typed(grad, value.dtype, registry.dims_of(value))
+            self.e.typed(grad, value.dtype, dims_of(value))
         parts.append(grad)
 
     def take(self, value: ir.Value) -> ir.Value | None:
@@ -58,7 +59,7 @@ class _Accumulator:
             total = parts[0]
         else:
             total = self.e.op("Sum", *parts, name=_grad_name(value))
-        self.e.typed(total, value.dtype, registry.dims_of(value))
+        self.e.typed(total, value.dtype, dims_of(value))
         self.parts[value] = [total]
         return total
 
@@ -179,7 +180,7 @@ def walk(
         grads = _call_rule(node, dys, needs, opset, e, len(ins))
         for value, grad, need in zip(ins, grads, needs):
             if need and grad is not None:
-                e.typed(grad, value.dtype, registry.dims_of(value))
+                e.typed(grad, value.dtype, dims_of(value))
                 acc.add(value, grad)
     return {w: g for w in wrt if (g := acc.take(w)) is not None}
 

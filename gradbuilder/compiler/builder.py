@@ -16,7 +16,8 @@ from ..interface import GRADIENT, updated
 from . import modelio, pipeline
 from .autodiff import differentiate
 from .passes import named_output
-from .registry import FLOAT_TYPES, Emitter, dims_of
+from .values import FLOAT_TYPES, dims_of
+from .emitter import Emitter
 
 KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
 

@@ -44,7 +44,7 @@ from .passes.running_stats import expose_running_statistics, restore_training_mo
 from .passes.store_trips import store_loop_trips
 from .passes.vector_products import vector_products_without_transpose
 from ..interface import GRADIENT
-from .registry import Emitter
+from .emitter import Emitter
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError
 from ..interface import GRADIENT_OUTPUT
 from . import modelio, pipeline
 from .autodiff import node_inputs, walk
-from .registry import FLOAT_TYPES
+from .values import FLOAT_TYPES
 
 SEED_SUFFIX = GRADIENT_OUTPUT
 

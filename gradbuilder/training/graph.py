@@ -470,7 +470,7 @@ def optimizer_only_model(weights: Mapping[str, np.ndarray], name: str, options: 
     or NaN, nothing changes. ``partial``: ``weights`` are some of the model's (the others are
     updated elsewhere), and clipping reads the squared global norm from the float input
     ``Gradient_Squares``."""
-    from ..compiler.registry import Emitter
+    from ..compiler.emitter import Emitter
 
     ws = [ir.Value(name=w, type=ir.TensorType(ir.DataType(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(v.dtype)))),
                    shape=ir.Shape(list(v.shape))) for w, v in weights.items()]

@@ -107,7 +107,7 @@ def grads_without_shapes(op, inputs, attrs, *, opset, num_outputs=1):
     from onnx.reference import ReferenceEvaluator
 
     from gradbuilder.compiler.autodiff import differentiate
-    from gradbuilder.compiler.registry import Emitter
+    from gradbuilder.compiler.emitter import Emitter
     from gradbuilder.testing import to_float64
 
     expected = check_op(op, inputs, attrs, opset=opset, num_outputs=num_outputs).gradients

@@ -52,7 +52,7 @@ def differentiate_model(model, weights, *, forget_shapes=False):
 
     from gradbuilder.compiler import modelio
     from gradbuilder.compiler.autodiff import differentiate
-    from gradbuilder.compiler.registry import Emitter
+    from gradbuilder.compiler.emitter import Emitter
 
     opset = model.opset_import[0].version
     m = ir.from_proto(model if forget_shapes else modelio.normalize(model))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import attr, collect_names, constant_of, dims_of
+from ..values import attr, constant_of, dims_of
+from ..emitter import collect_names
 from . import copy_type
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..registry import attr, constant_of
+from ..values import attr, constant_of
 
 
 def expose_dropout_masks(model: ir.Model, ctx) -> None:

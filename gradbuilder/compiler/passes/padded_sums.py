@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import attr, constant_of, dims_of
+from ..values import attr, constant_of, dims_of
 
 
 def padded_sums_as_concat(model: ir.Model, ctx) -> None:

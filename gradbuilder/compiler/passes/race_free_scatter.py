@@ -41,7 +41,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import Emitter, attr, constant_of, dims_of
+from ..values import attr, constant_of, dims_of
+from ..emitter import Emitter
 
 _INT64_MAX = 2**63 - 1
 

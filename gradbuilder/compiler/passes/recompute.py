@@ -29,7 +29,7 @@ from dataclasses import field
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import attr, constant_of, optional_input
+from ..values import attr, constant_of, optional_input
 
 RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                         "Multinomial", "Bernoulli"})

@@ -29,7 +29,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
-from ..registry import attr
+from ..values import attr
 
 # torch's dynamo exporter writes a training-mode BatchNorm (aten's functional batch norm with
 # training=True) as an inference-mode BatchNormalization; the node's metadata keeps the call.

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..registry import TRIPS, attr
+from ..registry import TRIPS
+from ..values import attr
 from . import copy_type
 
 LOOPS = ("Loop", "Scan")

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..registry import attr, dims_of
+from ..values import attr, dims_of
 
 
 def _swaps_last_two(node: ir.Node) -> bool:
