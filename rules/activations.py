@@ -22,7 +22,7 @@ def _output(n, i):
 
 def _keep(e, cond, v):
     """``v`` where ``cond``, else 0."""
-    return e.where(cond, v, e.scalar(0.0, v))
+    return e.Where(cond, v, e.scalar(0.0, v))
 
 
 def _c(e, value, like):
@@ -111,7 +111,7 @@ def leaky_relu(n, dys, needs, e):
     (x,) = n.inputs
     (dy,) = dys
     alpha = attr(n, "alpha", 0.01)
-    return (e.where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, alpha, x)), dy),)
+    return (e.Where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, alpha, x)), dy),)
 
 
 @register("Elu")
@@ -121,7 +121,7 @@ def elu(n, dys, needs, e):
     (y,) = n.outputs
     (dy,) = dys
     alpha = attr(n, "alpha", 1.0)
-    return (e.where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, e.Add(y, _c(e, alpha, y))), dy),)
+    return (e.Where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, e.Add(y, _c(e, alpha, y))), dy),)
 
 
 @register("Selu")
@@ -133,7 +133,7 @@ def selu(n, dys, needs, e):
     (dy,) = dys
     alpha = attr(n, "alpha", 1.67326319217681884765625)
     gamma = attr(n, "gamma", 1.05070102214813232421875)
-    return (e.where(e.Greater(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, gamma, x)),
+    return (e.Where(e.Greater(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, gamma, x)),
                    e.Mul(dy, e.Add(y, _c(e, gamma * alpha, y)))),)
 
 
@@ -156,7 +156,7 @@ def hard_swish(n, dys, needs, e):
     (x,) = n.inputs
     (dy,) = dys
     middle = e.Mul(dy, e.Add(e.Mul(x, _c(e, 1.0 / 3.0, x)), _c(e, 0.5, x)))
-    upper = e.where(e.Greater(x, _c(e, 3.0, x)), dy, middle)
+    upper = e.Where(e.Greater(x, _c(e, 3.0, x)), dy, middle)
     return (_keep(e, e.Not(e.Less(x, _c(e, -3.0, x))), upper),)
 
 
@@ -214,7 +214,7 @@ def dropout(n, dys, needs, e):
     if ratio_wanted:
         per = e.Div(e.Mul(dy, y), e.Sub(_c(e, 1.0, y), e.CastLike(ratio, y)))
         if train_c is None:
-            per = e.where(training, per, _c(e, 0.0, y))
+            per = e.Where(training, per, _c(e, 0.0, y))
         dratio = e.CastLike(e.reduce("ReduceSum", per, None, keepdims=False), ratio)
     return (_dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c), dratio)
 
@@ -226,14 +226,14 @@ def _dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c):
         r = e.CastLike(ratio, x)
         scale = e.Div(_c(e, 1.0, x), e.Sub(_c(e, 1.0, x), r))
     if train_c is None:
-        scale = e.where(training, scale, _c(e, 1.0, x))
+        scale = e.Where(training, scale, _c(e, 1.0, x))
     scaled = e.Mul(dy, scale)
     mask = _output(n, 1)
     if mask is not None:
         return _keep(e, mask, scaled)
     zero = _c(e, 0.0, x)
     kept = _keep(e, e.Not(e.Equal(y, zero)), scaled)
-    return e.where(e.Equal(x, zero), dy, kept)
+    return e.Where(e.Equal(x, zero), dy, kept)
 
 
 # ----------------------------------------------------------------------------- linear

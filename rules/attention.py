@@ -77,7 +77,7 @@ def _t(e, x):
 
 def _split_heads(e, x, heads):
     """(B, S, H * D) -> (B, H, S, D)"""
-    return e.Transpose(e.reshape(x, [0, 0, heads, -1]), perm=[0, 2, 1, 3])
+    return e.Transpose(e.Reshape(x, [0, 0, heads, -1]), perm=[0, 2, 1, 3])
 
 
 def _merge_heads(e, x4, like):
@@ -90,8 +90,8 @@ def _repeat_heads(e, x4, group):
     if group == 1:
         return x4
     d = Dims(e, x4)
-    wide = e.Expand(e.unsqueeze(x4, [2]), stack(e, [1, 1, group, 1, 1]))
-    return e.reshape(wide, stack(e, [d[0], -1, d[2], d[3]]))
+    wide = e.Expand(e.Unsqueeze(x4, [2]), stack(e, [1, 1, group, 1, 1]))
+    return e.Reshape(wide, stack(e, [d[0], -1, d[2], d[3]]))
 
 
 def _sum_groups(e, g4, group, like4):
@@ -99,7 +99,7 @@ def _sum_groups(e, g4, group, like4):
     if g4 is None or group == 1:
         return g4
     d = Dims(e, like4)
-    return e.reduce("ReduceSum", e.reshape(g4, stack(e, [d[0], d[1], -1, d[2], d[3]])), [2], keepdims=False)
+    return e.reduce("ReduceSum", e.Reshape(g4, stack(e, [d[0], d[1], -1, d[2], d[3]])), [2], keepdims=False)
 
 
 def _size(e, value, axis):
@@ -178,14 +178,14 @@ def _allowed(e, n, lay):
     nonpad = optional_input(n, 6)
     if not causal and left < 0 and right < 0 and nonpad is None:
         return None
-    cols = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, lay.total), scalar_of(e, 1)), [1, -1])
+    cols = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, lay.total), scalar_of(e, 1)), [1, -1])
     valid = None
     if nonpad is not None:
-        nonpad = e.reshape(as_int64(e, nonpad), [-1, 1, 1, 1])
+        nonpad = e.Reshape(as_int64(e, nonpad), [-1, 1, 1, 1])
         valid = e.Less(cols, nonpad)  # (B, 1, 1, T)
     allowed = []
     if causal or left >= 0 or right >= 0:
-        rows = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, lay.q_len), scalar_of(e, 1)), [-1, 1])
+        rows = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, lay.q_len), scalar_of(e, 1)), [-1, 1])
         if nonpad is not None and lay.past_k is None:
             rows = e.Add(rows, e.Sub(nonpad, vec(e, lay.q_len)))  # (B, 1, Sq, 1)
         elif lay.past_len != 0:
@@ -314,7 +314,7 @@ def _rope_layout(e, n, x):
         rank = 3 if attr(n, "num_heads") else 4
     if rank == 4:
         return e.Transpose(x, perm=[0, 2, 1, 3])
-    return e.reshape(x, [0, 0, attr(n, "num_heads"), -1])
+    return e.Reshape(x, [0, 0, attr(n, "num_heads"), -1])
 
 
 def _rope_halves(e, n, x):
@@ -334,7 +334,7 @@ def _to_cache(e, g, cache, positions):
         return e.unbroadcast(g, cache)
     acc = accumulation_type(cache, False)
     base = zeros(e, Dims(e, cache).vector(), cache, acc)
-    out = e.ScatterND(base, e.unsqueeze(as_int64(e, positions), [-1]), cast_to(e, g, acc), reduction="add")
+    out = e.ScatterND(base, e.Unsqueeze(as_int64(e, positions), [-1]), cast_to(e, g, acc), reduction="add")
     return cast_to(e, out, cache.dtype)
 
 

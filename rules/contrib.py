@@ -170,7 +170,7 @@ def _rows_first(e, v, like, axis):
     """``v`` reshaped to (-1, dim ``axis`` of the 2-D ``like``)."""
     d = dims_of(like)[axis]
     if isinstance(d, int):
-        return e.reshape(v, [-1, d])
+        return e.Reshape(v, [-1, d])
     return e.Reshape(v, e.Concat(e.ints([-1]), e.Gather(e.Shape(like), e.ints([axis]), axis=0), axis=0))
 
 
@@ -304,7 +304,7 @@ def _row_size(e, x, axis):
     d = dims_of(x)
     if static_dims(d):
         return int(np.prod(d[axis:])) if d else 1
-    return e.reduce("ReduceProd", e.shape(x, axis), None, keepdims=True)
+    return e.reduce("ReduceProd", e.Shape(x, axis), None, keepdims=True)
 
 
 @register("BiasSoftmax", domain=MS)
@@ -330,11 +330,11 @@ def bias_softmax(n, dys, needs, e):
         bd = dims_of(b)
         if isinstance(elems, int) and static_dims(bd):
             rows = int(np.prod(bd)) // elems
-            grouped = e.reshape(dz, [rows, -1, elems] if inner else [-1, rows, elems])
-            db = e.reshape(e.reduce("ReduceSum", grouped, [1 if inner else 0], keepdims=False), list(bd))
+            grouped = e.Reshape(dz, [rows, -1, elems] if inner else [-1, rows, elems])
+            db = e.Reshape(e.reduce("ReduceSum", grouped, [1 if inner else 0], keepdims=False), list(bd))
         else:
             ev = e.ints([elems]) if isinstance(elems, int) else elems
-            rows = e.Div(e.reshape(e.Size(b), [1]), ev)
+            rows = e.Div(e.Reshape(e.Size(b), [1]), ev)
             shape3 = e.Concat(rows, e.ints([-1]), ev, axis=0) if inner else e.Concat(e.ints([-1]), rows, ev, axis=0)
             summed = e.reduce("ReduceSum", e.Reshape(dz, shape3), [1 if inner else 0], keepdims=False)
             db = e.Reshape(summed, e.Shape(b))

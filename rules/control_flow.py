@@ -227,7 +227,7 @@ def _initial_states(e, carried, outer):
 def _if_any_trip(e, trips: ir.Value, ran, skipped, likes: list[ir.Value]) -> list[ir.Value]:
     """If(len(trips) > 0, ran(emitter), skipped(emitter)): onnxruntime's Scan refuses empty
     scan inputs, and a Loop may run no iteration at all."""
-    count = e.squeeze(e.shape(trips, 0, 1), [0])
+    count = e.Squeeze(e.Shape(trips, 0, 1), [0])
     ran_any = e.Greater(count, e.const(np.array(0, dtype=np.int64)))
     return e.if_(ran_any, ran, skipped, likes, name="loop_grad_branch")
 

@@ -294,14 +294,14 @@ def deform_conv(n, dys, needs, e):
     full = stack(e, [kh, kw, oh, ow])
 
     def base(kn, on, axis):  # k*dilation + o*stride - pad_begin over (kh, kw, oh, ow), flattened
-        tap = e.unsqueeze(e.Mul(arange(e, kn, like), f(dilations[axis])), [1, 2, 3] if axis == 0 else [0, 2, 3])
+        tap = e.Unsqueeze(e.Mul(arange(e, kn, like), f(dilations[axis])), [1, 2, 3] if axis == 0 else [0, 2, 3])
         out = e.Sub(e.Mul(arange(e, on, like), f(strides[axis])), f(pads[axis]))
-        out = e.unsqueeze(out, [0, 1, 3] if axis == 0 else [0, 1, 2])
+        out = e.Unsqueeze(out, [0, 1, 3] if axis == 0 else [0, 1, 2])
         return e.Reshape(e.Expand(e.Add(tap, out), full), e.ints([-1]))
 
     base_y, base_x = base(kh, oh, 0), base(kw, ow, 1)
     off = e.CastLike(e.Reshape(offset, stack(e, [big_n, og, k, 2, o])), like)
-    off_y, off_x = e.split(off, 2, axis=3)
+    off_y, off_x = e.split_into(off, 2, axis=3)
     py = e.Add(e.Reshape(off_y, stack(e, [big_n, og, -1])), base_y)  # (N, og, L)
     px = e.Add(e.Reshape(off_x, stack(e, [big_n, og, -1])), base_x)
 
@@ -312,7 +312,7 @@ def deform_conv(n, dys, needs, e):
     wx = [e.Sub(f(1.0), lx), lx]
     hf, wf = (e.CastLike(v, like) if not isinstance(v, int) else f(v) for v in (h, wd))
     i64 = int(ir.DataType.INT64)
-    plane = e.Mul(e.unsqueeze(e.Reshape(arange(e, imul(e, big_n, og)), stack(e, [big_n, og])), [2]),
+    plane = e.Mul(e.Unsqueeze(e.Reshape(arange(e, imul(e, big_n, og)), stack(e, [big_n, og])), [2]),
                   e.ints([hw]) if isinstance(hw, int) else hw)  # (N, og, 1): first row of each plane
     zero = e.const(np.array(0, np.int64))
     rows, inside = [], []
@@ -325,18 +325,18 @@ def deform_conv(n, dys, needs, e):
             xk = e.Where(ok, e.Cast(xi, to=i64), zero)
             rows.append(e.Add(plane, e.Add(e.Mul(yk, e.ints([wd]) if isinstance(wd, int) else wd), xk)))
             inside.append(e.CastLike(ok, like))
-    index = e.unsqueeze(e.Concat(*rows, axis=2), [-1])  # (N, og, 4L, 1)
+    index = e.Unsqueeze(e.Concat(*rows, axis=2), [-1])  # (N, og, 4L, 1)
     cg = c // og if isinstance(c, int) else e.Div(c, e.ints([og]))
     xt = e.Transpose(e.Reshape(xx, stack(e, [big_n, og, cg, hw])), perm=[0, 1, 3, 2])
     table = e.Reshape(xt, stack(e, [-1, cg]))  # (N*og*H*W, C/og)
     vals = e.Reshape(e.GatherND(table, index), stack(e, [big_n, og, 4, -1, cg]))  # (N, og, 4, L, C/og)
-    v = [e.Mul(e.Gather(vals, e.const(np.array(i, np.int64)), axis=2), e.unsqueeze(inside[i], [-1]))
+    v = [e.Mul(e.Gather(vals, e.const(np.array(i, np.int64)), axis=2), e.Unsqueeze(inside[i], [-1]))
          for i in range(4)]  # each (N, og, L, C/og), zero outside X
-    wgt = [e.unsqueeze(e.Mul(wy[a], wx[bb]), [-1]) for a in (0, 1) for bb in (0, 1)]
+    wgt = [e.Unsqueeze(e.Mul(wy[a], wx[bb]), [-1]) for a in (0, 1) for bb in (0, 1)]
     sampled = e.Add(e.Add(e.Mul(wgt[0], v[0]), e.Mul(wgt[1], v[1])), e.Add(e.Mul(wgt[2], v[2]), e.Mul(wgt[3], v[3])))
     mk = None
     if mask is not None:
-        mk = e.unsqueeze(e.Reshape(e.CastLike(mask, like), stack(e, [big_n, og, -1])), [-1])  # (N, og, L, 1)
+        mk = e.Unsqueeze(e.Reshape(e.CastLike(mask, like), stack(e, [big_n, og, -1])), [-1])  # (N, og, L, 1)
     cols_nl = e.Mul(sampled, mk) if mk is not None else sampled
 
     def to_groups(v):  # (N, og, L, C/og) -> (N, group, C/group*K, O)
@@ -364,15 +364,15 @@ def deform_conv(n, dys, needs, e):
             dmask = e.CastLike(e.Reshape(dm, e.Shape(mask)), mask)
         ds = e.Mul(dcols, mk) if mk is not None else dcols
         if needs[0]:
-            updates = e.Concat(*[e.Mul(ds, e.Mul(wgt[i], e.unsqueeze(inside[i], [-1]))) for i in range(4)], axis=2)
+            updates = e.Concat(*[e.Mul(ds, e.Mul(wgt[i], e.Unsqueeze(inside[i], [-1]))) for i in range(4)], axis=2)
             zeros = e.Expand(e.scalar(0.0, like), e.Shape(table))
             acc = e.ScatterND(zeros, index, updates, reduction="add")  # (N*og*H*W, C/og)
             g = e.Transpose(e.Reshape(acc, stack(e, [big_n, og, hw, cg])), perm=[0, 1, 3, 2])
             dx = e.CastLike(e.Reshape(g, e.Shape(x)), x)
         if needs[2]:
             # dS/dp_y = sum_b wx_b (v[1b] - v[0b]); dS/dp_x = sum_a wy_a (v[a1] - v[a0])
-            wxu = [e.unsqueeze(t, [-1]) for t in wx]
-            wyu = [e.unsqueeze(t, [-1]) for t in wy]
+            wxu = [e.Unsqueeze(t, [-1]) for t in wx]
+            wyu = [e.Unsqueeze(t, [-1]) for t in wy]
             s_y = e.Add(e.Mul(wxu[0], e.Sub(v[2], v[0])), e.Mul(wxu[1], e.Sub(v[3], v[1])))
             s_x = e.Add(e.Mul(wyu[0], e.Sub(v[1], v[0])), e.Mul(wyu[1], e.Sub(v[3], v[2])))
             gy = e.reduce("ReduceSum", e.Mul(ds, s_y), [3], keepdims=False)  # (N, og, L)

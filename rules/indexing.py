@@ -93,8 +93,8 @@ def _scatter_back(e, n, dy):
     size = e.Size(x)
     positions = e.Range(scalar_of(e, 0), size, scalar_of(e, 1))
     picked = e.Slice(reshape_like(e, positions, x), *n.inputs[1:])
-    flat = e.ScatterElements(zeros(e, e.reshape(size, [1]), x), e.reshape(picked, [-1]),
-                             e.reshape(dy, [-1]), axis=0)
+    flat = e.ScatterElements(zeros(e, e.Reshape(size, [1]), x), e.Reshape(picked, [-1]),
+                             e.Reshape(dy, [-1]), axis=0)
     return reshape_like(e, flat, x)
 
 
@@ -145,17 +145,17 @@ def _segment_sum(e, g, pos, batch, depth, rest, unique, like):
         reduction = None if unique else "add"
         if is_one(batch):
             data = zeros(e, stack(e, [depth, rest]), like, acc)
-            out = e.ScatterND(data, e.reshape(pos, [-1, 1]), e.reshape(g, stack(e, [-1, rest])),
+            out = e.ScatterND(data, e.Reshape(pos, [-1, 1]), e.Reshape(g, stack(e, [-1, rest])),
                               reduction=reduction)
         else:
             bk = e.Slice(e.Shape(g), e.ints([0]), e.ints([2]), e.ints([0]))
-            rows = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, batch), scalar_of(e, 1)), [-1, 1])
-            where = e.Concat(e.unsqueeze(e.Expand(rows, bk), [2]), e.unsqueeze(e.Expand(pos, bk), [2]), axis=2)
+            rows = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, batch), scalar_of(e, 1)), [-1, 1])
+            where = e.Concat(e.Unsqueeze(e.Expand(rows, bk), [2]), e.Unsqueeze(e.Expand(pos, bk), [2]), axis=2)
             data = zeros(e, stack(e, [batch, depth, rest]), like, acc)
             out = e.ScatterND(data, where, g, reduction=reduction)
     else:
-        column = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, depth), scalar_of(e, 1)), [1, -1, 1])
-        hot = e.Cast(e.Equal(column, e.unsqueeze(pos, [1])), to=int(acc))
+        column = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, depth), scalar_of(e, 1)), [1, -1, 1])
+        hot = e.Cast(e.Equal(column, e.Unsqueeze(pos, [1])), to=int(acc))
         out = e.MatMul(hot, g)
     return cast_to(e, out, like.dtype)
 
@@ -175,15 +175,15 @@ def gather(n, dys, needs, e):
     depth = dims[axis]
     if dims_of(idx) == ():
         c = constant_of(idx)
-        i = int(c) if c is not None else e.reshape(as_int64(e, idx), [1])
+        i = int(c) if c is not None else e.Reshape(as_int64(e, idx), [1])
         i = iwrap(e, i, depth)
-        g = e.unsqueeze(dy, vec(e, axis))
+        g = e.Unsqueeze(dy, vec(e, axis))
         return (pad_axis(e, g, dims.rank, axis, i, isub(e, isub(e, depth, i), 1)),)
     pos, known = _wrapped_indices(e, idx, depth)
     unique = known is not None and np.unique(known).size == known.size
     outer, inner = dims.prod(0, axis), dims.prod(iadd(e, axis, 1))
-    g = e.reshape(dy, stack(e, [outer, -1, inner]))
-    out = _segment_sum(e, g, e.reshape(pos, [1, -1]), outer, depth, inner, unique, x)
+    g = e.Reshape(dy, stack(e, [outer, -1, inner]))
+    out = _segment_sum(e, g, e.Reshape(pos, [1, -1]), outer, depth, inner, unique, x)
     return (reshape_like(e, out, x),)
 
 
@@ -211,11 +211,11 @@ def gather_nd(n, dys, needs, e):
         rows = known.reshape(int(np.prod(known.shape[:batch_dims])), -1)
         unique = all(np.unique(r).size == r.size for r in rows)
     else:
-        pos = e.squeeze(pos, [-1]) if m == 1 else e.reduce("ReduceSum", e.Mul(pos, stack(e, strides)), [-1], keepdims=False)
+        pos = e.Squeeze(pos, [-1]) if m == 1 else e.reduce("ReduceSum", e.Mul(pos, stack(e, strides)), [-1], keepdims=False)
         unique = False
     batch, depth, rest = dims.prod(0, batch_dims), dims.prod(batch_dims, batch_dims + m), dims.prod(batch_dims + m)
-    g = e.reshape(dy, stack(e, [batch, -1, rest]))
-    out = _segment_sum(e, g, e.reshape(pos, stack(e, [batch, -1])), batch, depth, rest, unique, x)
+    g = e.Reshape(dy, stack(e, [batch, -1, rest]))
+    out = _segment_sum(e, g, e.Reshape(pos, stack(e, [batch, -1])), batch, depth, rest, unique, x)
     return (reshape_like(e, out, x),)
 
 
@@ -256,10 +256,10 @@ def gather_elements(n, dys, needs, e):
     if rank is None:
         dims.need_rank("GatherElements (before opset 16)")
     pos, _ = _wrapped_indices(e, idx, depth)
-    column = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, depth), scalar_of(e, 1)),
+    column = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, depth), scalar_of(e, 1)),
                        [-1] + [1] * (rank - 1 - axis))
-    hot = e.Cast(e.Equal(e.unsqueeze(pos, [axis + 1]), column), to=int(x.dtype))
-    out = e.reduce("ReduceSum", e.Mul(hot, e.unsqueeze(dy, [axis + 1])), [axis], keepdims=False)
+    hot = e.Cast(e.Equal(e.Unsqueeze(pos, [axis + 1]), column), to=int(x.dtype))
+    out = e.reduce("ReduceSum", e.Mul(hot, e.Unsqueeze(dy, [axis + 1])), [axis], keepdims=False)
     # the indices may be shorter than x on the other axes: zero-fill the rest
     idims = Dims(e, idx)
     short = {k: isub(e, dims[k], idims[k]) for k in range(rank) if k != axis}

@@ -50,7 +50,7 @@ def _as_matrix(e, v, rank, column: bool):
     """``v`` with at least two axes, as MatMul reads it: a vector is a row (1, k), or a column
     (k, 1) when ``column``. Of unknown rank, the missing axis is added at run time."""
     if rank is not None:
-        return v if rank >= 2 else e.unsqueeze(v, [-1] if column else [0])
+        return v if rank >= 2 else e.Unsqueeze(v, [-1] if column else [0])
     shape = e.Shape(v)
     missing = e.Max(e.Sub(e.ints([2]), e.Shape(shape)), e.ints([0]))
     ones = e.ConstantOfShape(missing, value=ir.tensor(np.array([1], dtype=np.int64)))
@@ -108,9 +108,9 @@ def matmul(n, dys, needs, e):
     # Lift to the matrix case: dy2 has shape (batch..., n, m).
     dy2 = dy
     if ra == 1:
-        dy2 = e.unsqueeze(dy2, [-2])
+        dy2 = e.Unsqueeze(dy2, [-2])
     if rb == 1:
-        dy2 = e.unsqueeze(dy2, [-1])
+        dy2 = e.Unsqueeze(dy2, [-1])
     rank = max(ra, rb, 2)
 
     da = db = None
@@ -125,7 +125,7 @@ def matmul(n, dys, needs, e):
                 da = e.unbroadcast(g, a)
     if needs[1]:
         if ra == 1:  # db[..., k, m] = a[k] * dy[..., m]
-            db = e.unbroadcast(e.Mul(e.unsqueeze(a, [1]), dy2), b)
+            db = e.unbroadcast(e.Mul(e.Unsqueeze(a, [1]), dy2), b)
         elif rb == 2 and ra > 2:
             # Batched activations times a weight matrix: fold the batch axes into the
             # contraction instead of materialising one (k, m) product per batch element.
@@ -226,8 +226,8 @@ def _eye(e, size, like):
     n = constant_of(size)
     if n is not None and like.dtype is not None:
         return e.const(np.eye(int(n[0])), dtype=like.dtype)
-    r = e.Range(e.const(np.array(0, np.int64)), e.squeeze(size, [0]), e.const(np.array(1, np.int64)))
-    return e.CastLike(e.Equal(e.unsqueeze(r, [1]), e.unsqueeze(r, [0])), like)
+    r = e.Range(e.const(np.array(0, np.int64)), e.Squeeze(size, [0]), e.const(np.array(1, np.int64)))
+    return e.CastLike(e.Equal(e.Unsqueeze(r, [1]), e.Unsqueeze(r, [0])), like)
 
 
 @register("Einsum")
@@ -322,7 +322,7 @@ def _einsum_grad(e, n, dy, i, terms, out, fresh):
             axes.extend(range(pos, pos + width[lab]))
         pos += width[lab]
     if axes:
-        g = e.unsqueeze(g, axes)
+        g = e.Unsqueeze(g, axes)
 
     # The shape g must reach: x itself, or x's diagonal view when a label repeats.
     diagonal = len(unique) != len(term)

@@ -27,8 +27,8 @@ def _class_vector(e, v, x):
     """A (C,) vector shaped (C, 1, .., 1) so it broadcasts along axis 1 of ``x`` (N, C, d..)."""
     dims = dims_of(x)
     if dims is not None:
-        return e.unsqueeze(v, list(range(1, len(dims) - 1))) if len(dims) > 2 else v
-    extra = e.Sub(e.shape(e.shape(x)), e.ints([2]))
+        return e.Unsqueeze(v, list(range(1, len(dims) - 1))) if len(dims) > 2 else v
+    extra = e.Sub(e.Shape(e.Shape(x)), e.ints([2]))
     ones = e.op("ConstantOfShape", extra, value=ir.tensor(np.array([1], dtype=np.int64)))
     return e.Reshape(v, e.op("Concat", e.ints([-1]), ones, axis=0))
 
@@ -38,7 +38,7 @@ def _classes(e, x):
     dims = dims_of(x)
     if dims is not None and isinstance(dims[1], int):
         return e.const(np.arange(dims[1], dtype=np.int64))
-    c = e.Gather(e.shape(x), e.const(np.array(1, dtype=np.int64)), axis=0)
+    c = e.Gather(e.Shape(x), e.const(np.array(1, dtype=np.int64)), axis=0)
     return e.Range(e.const(np.array(0, dtype=np.int64)), c, e.const(np.array(1, dtype=np.int64)))
 
 
@@ -50,7 +50,7 @@ def _may_be_a_class(index, x):
 
 def _target_mask(e, x, labels, ignore_index):
     """M, the one-hot of the labels along axis 1 without the ignored targets (bool)."""
-    t = e.unsqueeze(labels if labels.dtype == ir.DataType.INT64 else e.Cast(labels, to=int(ir.DataType.INT64)), [1])
+    t = e.Unsqueeze(labels if labels.dtype == ir.DataType.INT64 else e.Cast(labels, to=int(ir.DataType.INT64)), [1])
     onehot = e.Equal(t, _class_vector(e, _classes(e, x), x))
     if ignore_index is not None and _may_be_a_class(ignore_index, x):
         onehot = e.And(onehot, e.Not(e.Equal(t, e.const(np.array(ignore_index, dtype=np.int64)))))
@@ -62,7 +62,7 @@ def _sum_but_classes(e, v, x):
     dims = dims_of(x)
     if dims is not None:
         return e.reduce("ReduceSum", v, [0] + list(range(2, len(dims))), keepdims=False)
-    return e.reduce("ReduceSum", e.reshape(v, [0, 0, -1]), [0, 2], keepdims=False)
+    return e.reduce("ReduceSum", e.Reshape(v, [0, 0, -1]), [0, 2], keepdims=False)
 
 
 def _loss_grads(n, dy, needs, e, lp):
@@ -77,7 +77,7 @@ def _loss_grads(n, dy, needs, e, lp):
     w = _class_vector(e, e.CastLike(weights, x), x) if weights is not None else None
     mw = e.Mul(m, w) if w is not None else m
     if reduction == "none":
-        c = e.unsqueeze(dy, [1])
+        c = e.Unsqueeze(dy, [1])
     elif reduction == "sum":
         c = dy
     else:

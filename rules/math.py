@@ -204,9 +204,9 @@ def _along(e, v, trailing):
     """``v`` (n, n) given ``trailing`` unit axes: (n, n, 1, ..., 1). ``trailing`` is an int or
     a 1-element int64 tensor (an axis chosen at run time)."""
     if isinstance(trailing, int):
-        return e.unsqueeze(v, list(range(2, 2 + trailing))) if trailing else v
+        return e.Unsqueeze(v, list(range(2, 2 + trailing))) if trailing else v
     ones = e.ConstantOfShape(trailing, value=ir.tensor(np.array([1], dtype=np.int64)))
-    return e.reshape(v, e.Concat(e.Shape(v), ones, axis=0))
+    return e.Reshape(v, e.Concat(e.Shape(v), ones, axis=0))
 
 
 def _cumprod_masks(e, x, dims, axis, exclusive, reverse):
@@ -222,7 +222,7 @@ def _cumprod_masks(e, x, dims, axis, exclusive, reverse):
         shape = (length, length) + (1,) * trailing
         return e.const((j == i).reshape(shape)), e.const(inside.reshape(shape))
     idx = e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1))
-    j, i = e.unsqueeze(idx, [1]), e.unsqueeze(idx, [0])
+    j, i = e.Unsqueeze(idx, [1]), e.Unsqueeze(idx, [0])
     return _along(e, e.Equal(j, i), trailing), _along(e, e.op(test, j, i), trailing)
 
 
@@ -244,14 +244,14 @@ def cumprod(n, dys, needs, e):
     elif axis_c is not None:
         axis = iwrap(e, int(np.asarray(axis_c).reshape(-1)[0]), dims.rank_value())
     else:
-        axis = iwrap(e, e.reshape(as_int64(e, axis_v), [1]), dims.rank_value())
+        axis = iwrap(e, e.Reshape(as_int64(e, axis_v), [1]), dims.rank_value())
     exclusive, reverse = attr(n, "exclusive", 0), attr(n, "reverse", 0)
     eye, inside = _cumprod_masks(e, x, dims, axis, exclusive, reverse)
-    rows = e.Where(eye, _c(e, 1.0, x), e.unsqueeze(x, vec(e, axis)))  # (..., n_j, n_i, ...)
+    rows = e.Where(eye, _c(e, 1.0, x), e.Unsqueeze(x, vec(e, axis)))  # (..., n_j, n_i, ...)
     inner = iadd(e, axis, 1)
-    inner_scalar = e.const(np.array(inner, np.int64)) if isinstance(inner, int) else e.reshape(inner, [])
+    inner_scalar = e.const(np.array(inner, np.int64)) if isinstance(inner, int) else e.Reshape(inner, [])
     partial = e.CumProd(rows, inner_scalar, exclusive=exclusive, reverse=reverse)
-    terms = _keep(e, inside, e.Mul(e.unsqueeze(dy, vec(e, axis)), partial))
+    terms = _keep(e, inside, e.Mul(e.Unsqueeze(dy, vec(e, axis)), partial))
     return e.reduce("ReduceSum", terms, [inner] if isinstance(inner, int) else inner, keepdims=False), None
 
 
@@ -293,7 +293,7 @@ def det(n, dys, needs, e):
         raise GradientRuleError("Det: the gradient needs the matrix size (the last two dims) to be static")
     size, r = d[-1], len(d)
     if size == 1:
-        return (e.expand_like(e.unsqueeze(dy, [r - 2, r - 1]), x),)
+        return (e.expand_like(e.Unsqueeze(dy, [r - 2, r - 1]), x),)
     others = np.array([[k for k in range(size) if k != i] for i in range(size)], dtype=np.int64)
     rows = e.Gather(x, e.const(others), axis=r - 2)  # (..., n_i, n-1, n)
     minors = e.Gather(rows, e.const(others), axis=r)  # (..., n_i, n-1, n_j, n-1)
@@ -302,5 +302,5 @@ def det(n, dys, needs, e):
     signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)])
     signs = e.const(signs, dtype=x.dtype) if x.dtype is not None else e.CastLike(e.const(signs), x)
     cof = e.Mul(e.Det(minors), signs)
-    return (e.Mul(e.unsqueeze(dy, [r - 2, r - 1]), cof),)
+    return (e.Mul(e.Unsqueeze(dy, [r - 2, r - 1]), cof),)
 

@@ -56,9 +56,9 @@ def _bins(e, rois, lo_col, hi_col, pooled: int, scale: float, size):
     lo = _round_away(e, e.Mul(col(lo_col), _f(e, scale)))
     hi = _round_away(e, e.Mul(col(hi_col), _f(e, scale)))
     length = e.Max(e.Add(e.Sub(hi, lo), _f(e, 1.0)), _f(e, 1.0))
-    bin_ = e.unsqueeze(e.Div(length, _f(e, float(pooled))), [1])  # (R, 1)
+    bin_ = e.Unsqueeze(e.Div(length, _f(e, float(pooled))), [1])  # (R, 1)
     p = e.const(np.arange(pooled, dtype=np.float32))
-    lo = e.unsqueeze(lo, [1])
+    lo = e.Unsqueeze(lo, [1])
     sizef = _f(e, float(size)) if isinstance(size, int) else e.Cast(size, to=int(F32))
 
     def clip(v):
@@ -73,15 +73,15 @@ def _window(e, start, end, size):
     longest = e.Max(e.reduce("ReduceMax", e.Sub(end, start), None, keepdims=False),
                     e.const(np.array(1, np.int64)))
     k = e.Range(e.const(np.array(0, np.int64)), longest, e.const(np.array(1, np.int64)))
-    pos = e.Add(e.unsqueeze(start, [2]), k)
-    inside = e.Less(pos, e.unsqueeze(end, [2]))
+    pos = e.Add(e.Unsqueeze(start, [2]), k)
+    inside = e.Less(pos, e.Unsqueeze(end, [2]))
     last = size - 1 if isinstance(size, int) else e.Sub(size, e.ints([1]))
     return e.Min(pos, last if not isinstance(last, int) else e.ints([last])), inside
 
 
 def _pairs(e, v_h, v_w, op):
     """(R, P, KH) x (R, Q, KW) -> (R, P, Q, KH*KW), row-major over (kh, kw)."""
-    both = op(e.unsqueeze(v_h, [3, 4]), e.unsqueeze(v_w, [1, 2]))  # (R, P, KH, Q, KW)
+    both = op(e.Unsqueeze(v_h, [3, 4]), e.Unsqueeze(v_w, [1, 2]))  # (R, P, KH, Q, KW)
     return e.Reshape(e.Transpose(both, perm=[0, 1, 3, 2, 4]), e.ints([0, 0, 0, -1]))
 
 
@@ -109,25 +109,25 @@ def max_roi_pool(n, dys, needs, e):
     chans_v = chans if not isinstance(chans, int) else e.ints([chans])
     width_v = width if not isinstance(width, int) else e.ints([width])
     spot = _pairs(e, e.Mul(hpos, width_v), wpos, e.Add)  # (R, P, Q, K): h * W + w
-    inside = e.unsqueeze(_pairs(e, hin, win, e.And), [1])  # (R, 1, P, Q, K)
+    inside = e.Unsqueeze(_pairs(e, hin, win, e.And), [1])  # (R, 1, P, Q, K)
 
     # candidates X[batch, c, h, w] for every window position: rows of X as (N*H*W, C)
-    rows = e.Add(e.Mul(e.reshape(batch, [-1, 1, 1, 1]), area_v), spot)
+    rows = e.Add(e.Mul(e.Reshape(batch, [-1, 1, 1, 1]), area_v), spot)
     table = e.Reshape(e.Transpose(x, perm=[0, 2, 3, 1]), e.Concat(e.ints([-1]), chans_v, axis=0))
     cand = e.Transpose(e.Gather(table, rows, axis=0), perm=[0, 4, 1, 2, 3])  # (R, C, P, Q, K)
-    hit = e.Cast(e.And(e.Equal(cand, e.unsqueeze(y, [4])), inside), to=int(F32))
+    hit = e.Cast(e.And(e.Equal(cand, e.Unsqueeze(y, [4])), inside), to=int(F32))
     first = e.ArgMax(hit, axis=4, keepdims=1)  # (R, C, P, Q, 1): the first match
     picked = e.GatherElements(hit, first, axis=4)  # 1 where the bin has a match
-    where = e.GatherElements(e.Expand(e.unsqueeze(spot, [1]), e.Shape(hit)), first, axis=4)
+    where = e.GatherElements(e.Expand(e.Unsqueeze(spot, [1]), e.Shape(hit)), first, axis=4)
 
     # flat position in X: (batch * C + c) * H * W + h * W + w
     channel = e.Range(scalar_of(e, 0), scalar_of(e, chans), scalar_of(e, 1))
-    base = e.Mul(e.Add(e.Mul(e.reshape(batch, [-1, 1]), chans_v), e.unsqueeze(channel, [0])), area_v)  # (R, C)
-    flat = e.Add(e.reshape(base, [0, 0, 1, 1, 1]), where)  # (R, C, P, Q, 1)
-    g = e.Mul(e.unsqueeze(dy, [4]), e.CastLike(picked, dy))
+    base = e.Mul(e.Add(e.Mul(e.Reshape(batch, [-1, 1]), chans_v), e.Unsqueeze(channel, [0])), area_v)  # (R, C)
+    flat = e.Add(e.Reshape(base, [0, 0, 1, 1, 1]), where)  # (R, C, P, Q, 1)
+    g = e.Mul(e.Unsqueeze(dy, [4]), e.CastLike(picked, dy))
     total = iprod(e, [dims[0], chans, area])
-    depth = total if isinstance(total, int) else e.reshape(total, [1])
-    out = _segment_sum(e, e.reshape(g, [1, -1, 1]), e.reshape(flat, [1, -1]), 1, depth, 1, False, x)
+    depth = total if isinstance(total, int) else e.Reshape(total, [1])
+    out = _segment_sum(e, e.Reshape(g, [1, -1, 1]), e.Reshape(flat, [1, -1]), 1, depth, 1, False, x)
     return (reshape_like(e, out, x), drois)
 
 

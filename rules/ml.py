@@ -39,8 +39,8 @@ def _as_input(e, g, x):
     if gd is not None and xd is not None and len(gd) == len(xd):
         return g
     if xd is not None and all(isinstance(d, int) for d in xd):
-        return e.reshape(g, list(xd))
-    return e.reshape(g, e.shape(x))
+        return e.Reshape(g, list(xd))
+    return e.Reshape(g, e.Shape(x))
 
 
 # ----------------------------------------------------------------------------- piecewise constant
@@ -62,7 +62,7 @@ def _last_dim(e, x):
     dims = dims_of(x)
     if dims and isinstance(dims[-1], int):
         return e.const(np.array(dims[-1], dtype=np.int64))
-    return e.squeeze(e.shape(x, -1), [0])
+    return e.Squeeze(e.Shape(x, -1), [0])
 
 
 @register("ArrayFeatureExtractor", domain=ML)
@@ -83,10 +83,10 @@ def array_feature_extractor(n, dys, needs, e):
     else:
         c = _last_dim(e, x)
         zero = e.const(np.array(0, dtype=np.int64))
-        flat = e.reshape(idx, [-1])
+        flat = e.Reshape(idx, [-1])
         flat = e.Where(e.Less(flat, zero), e.Add(flat, c), flat)
         cols = e.Range(zero, c, e.const(np.array(1, dtype=np.int64)))
-        onehot = e.CastLike(e.Equal(e.unsqueeze(flat, [1]), cols), x)
+        onehot = e.CastLike(e.Equal(e.Unsqueeze(flat, [1]), cols), x)
     dx = e.MatMul(dz, onehot)
     return _as_input(e, dx, x) if dims is None or len(dims) < 2 else dx, None
 
@@ -122,8 +122,8 @@ def _fit_columns(e, part, width, x, dy):
             return e.Pad(part, e.ints([0, 0, 0, c - width]))
         return part
     # C = size(X) / N, N the rows of dY (every input has the batch size of the first one).
-    rows = e.Slice(e.shape(dy), e.ints([0]), e.ints([1]), e.ints([0]))
-    c = e.Div(e.reshape(e.Size(x), [1]), rows)
+    rows = e.Slice(e.Shape(dy), e.ints([0]), e.ints([1]), e.ints([0]))
+    c = e.Div(e.Reshape(e.Size(x), [1]), rows)
     extra = e.Max(e.Sub(c, e.ints([width])), e.ints([0]))
     padded = e.Pad(part, e.Concat(e.ints([0, 0, 0]), extra, axis=0))
     return e.Slice(padded, e.ints([0]), c, e.ints([1]))
@@ -201,7 +201,7 @@ def _weights(n, x, n_targets: int):
 def _scores(e, x, w, b):
     """S = X W^T + b, X seen as (N, C)."""
     dims = dims_of(x)
-    xm = x if dims is not None and len(dims) == 2 else e.reshape(x, [-1, w.shape[1]])
+    xm = x if dims is not None and len(dims) == 2 else e.Reshape(x, [-1, w.shape[1]])
     s = e.MatMul(xm, _const(e, w.T, x))
     return s if b is None else e.Add(s, _const(e, b, x))
 

@@ -34,21 +34,21 @@ def _grouped(e, v, like, groups=0):
     dims = dims_of(like)
     if static_dims(dims) and len(dims) >= 2:
         lead = dims[1] if groups == 0 else groups
-        return e.reshape(v, [dims[0], lead, int(np.prod(dims)) // (dims[0] * lead)])
-    return e.reshape(v, [0, groups, -1])
+        return e.Reshape(v, [dims[0], lead, int(np.prod(dims)) // (dims[0] * lead)])
+    return e.Reshape(v, [0, groups, -1])
 
 
 def _ungrouped(e, v, like):
     """``v`` reshaped back to the shape of ``like``."""
     dims = dims_of(like)
-    out = e.reshape(v, list(dims)) if static_dims(dims) else e.Reshape(v, e.shape(like))
+    out = e.Reshape(v, list(dims)) if static_dims(dims) else e.Reshape(v, e.Shape(like))
     e.typed(out, v.dtype, dims)
     return out
 
 
 def _per_channel(e, v, like):
     """A (C,) vector as (C, 1), to broadcast against (N, C, L), in the dtype of ``like``."""
-    return e.unsqueeze(e.CastLike(v, like), [1])
+    return e.Unsqueeze(e.CastLike(v, like), [1])
 
 
 def _sum_nl(e, v):
@@ -112,7 +112,7 @@ def _batch_norm(n, dys, needs, e, training):
         if needs[2]:
             db = e.CastLike(sum_dy, b)
         if not training:
-            r_c = e.squeeze(r, [1])
+            r_c = e.Squeeze(r, [1])
             scale_v = e.CastLike(scale, x3)
             if needs[3]:  # d/dmean = -sum(dy)*scale*r
                 dmean = e.CastLike(e.Neg(e.Mul(sum_dy, e.Mul(scale_v, r_c))), mean)

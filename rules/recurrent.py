@@ -184,7 +184,7 @@ class _Recurrence:
         self.acts = _activations(n, self.D)
         self.G = _GATES[self.op]
         axis = 1 if self.layout else 0
-        self.T = e.squeeze(e.shape(self.X, axis, axis + 1), [0])  # the sequence length, at run time
+        self.T = e.Squeeze(e.Shape(self.X, axis, axis + 1), [0])  # the sequence length, at run time
 
         # layout-0 forward values
         self.X0 = self.relayout(self.X, [1, 0, 2])
@@ -195,21 +195,21 @@ class _Recurrence:
         if self.seq is not None:
             lengths = e.Cast(self.seq, to=int(ir.DataType.INT64))
             steps = e.Range(self.int(0), self.T, self.int(1))
-            valid = e.Less(e.unsqueeze(steps, [1]), lengths)  # [T, N]
-            self.mask = self.proc(e.unsqueeze(valid, [1, 3]), shared=True)
+            valid = e.Less(e.Unsqueeze(steps, [1]), lengths)  # [T, N]
+            self.mask = self.proc(e.Unsqueeze(valid, [1, 3]), shared=True)
             self.mf = e.CastLike(self.mask, self.X)
             self.omf = e.Sub(self.scalar(1.0), self.mf)
             nonempty = e.Greater(lengths, self.int(0))
-            self.nonempty = e.CastLike(e.unsqueeze(nonempty, [0, 2]), self.X)  # [1, N, 1]
+            self.nonempty = e.CastLike(e.Unsqueeze(nonempty, [0, 2]), self.X)  # [1, N, 1]
 
         # inputs and states in processing order
-        self.Xp = self.proc(e.unsqueeze(self.X0, [1]), shared=True)  # [T, D|1, N, I]
+        self.Xp = self.proc(e.Unsqueeze(self.X0, [1]), shared=True)  # [T, D|1, N, I]
         self.Yp = self.proc(self.Y0)  # [T, D, N, H]
         self.zeros = e.zeros_like(e.Gather(self.Yp, self.int(0), axis=0))  # one step of the state, [D, N, H]
         self.h0 = self.relayout(h0, [1, 0, 2]) if h0 is not None else self.zeros
         self.c0 = self.relayout(c0, [1, 0, 2]) if c0 is not None else self.zeros
         prev = e.op("Slice", self.Yp, e.ints([0]), e.ints([-1]), e.ints([0]))
-        h0u = e.unsqueeze(self.h0, [0])
+        h0u = e.Unsqueeze(self.h0, [0])
         if self.mask is not None and h0 is not None and self.direction != "forward":
             # a reversed shorter sequence starts from initial_h at its own last step
             maskprev = e.op("Slice", self.mask, e.ints([0]), e.ints([-1]), e.ints([0]))
@@ -220,7 +220,7 @@ class _Recurrence:
         self.Wt = _transposed(e, self.W)
         self.Rt = _transposed(e, self.R)
         if self.B is not None:
-            self.Wb, self.Rb = (e.unsqueeze(b, [1]) for b in e.split(self.B, 2, 1))
+            self.Wb, self.Rb = (e.Unsqueeze(b, [1]) for b in e.split_into(self.B, 2, 1))
         else:
             self.Wb = self.Rb = None
 
@@ -251,7 +251,7 @@ class _Recurrence:
             return self.flip(v)
         if shared:
             return self.e.Concat(v, self.flip(v), axis=1)
-        fwd, bwd = self.e.split(v, 2, 1)
+        fwd, bwd = self.e.split_into(v, 2, 1)
         return self.e.Concat(fwd, self.flip(bwd), axis=1)
 
     def _hidden_states(self, h0, c0):
@@ -320,14 +320,14 @@ class _Recurrence:
         return hr if self.Rb is None else self.e.Add(hr, self.Rb)
 
     def gate_split(self, v):
-        return self.e.split(v, self.G, -1) if self.G > 1 else [v]
+        return self.e.split_into(v, self.G, -1) if self.G > 1 else [v]
 
     def _per_direction(self, e, fn, slot, x):
         """fn(activation, x) with each direction's activation (the direction axis is -3)."""
         acts = [self.acts[d][slot] for d in range(self.D)]
         if self.D == 1 or acts[0] == acts[1]:
             return fn(acts[0], x)
-        parts = [fn(act, xd) for act, xd in zip(acts, e.split(x, 2, -3))]
+        parts = [fn(act, xd) for act, xd in zip(acts, e.split_into(x, 2, -3))]
         if isinstance(parts[0], tuple):
             return tuple(e.Concat(*ps, axis=-3) for ps in zip(*parts))
         return e.Concat(*parts, axis=-3)
@@ -406,7 +406,7 @@ def rnn(n, dys, needs, e):
     _, fd = u.activate_with_derivative(e.Add(u.gates_x(), u.gates_h()), 0)
 
     def step(e, dS, dY, m, keep, fd):
-        da = e.Mul(_masked(e, e.add(dS, dY), m), fd)
+        da = e.Mul(_masked(e, e.accumulate(dS, dY), m), fd)
         return [_carried(e, e.MatMul(da, u.R), keep, dS)], [da]
 
     (dS,), (dA,) = u.scan(step, [dS], [dY, u.mf, u.omf, fd], reverse=True)
@@ -433,7 +433,7 @@ def gru(n, dys, needs, e):
         ah = e.Add(xh, e.Mul(r, hh))
         Qr = e.Mul(hh, rd)  # dar = dah * Qr
     else:
-        Rz, Rr, Rh = e.split(u.R, 3, 1)
+        Rz, Rr, Rh = e.split_into(u.R, 3, 1)
         Rzr = e.Concat(Rz, Rr, axis=1)
         rH = e.Mul(r, u.Hp)
         ah = e.Add(xh, e.MatMul(rH, _transposed(e, Rh)))
@@ -445,7 +445,7 @@ def gru(n, dys, needs, e):
     Qz = e.Mul(e.Sub(u.Hp, h), zd)  # daz = dHn * Qz
 
     def step(e, dS, dY, m, keep, Qh, Qz, z, Qr, r):
-        dHn = _masked(e, e.add(dS, dY), m)
+        dHn = _masked(e, e.accumulate(dS, dY), m)
         dah = e.Mul(dHn, Qh)
         daz = e.Mul(dHn, Qz)
         direct = e.Mul(dHn, z)
@@ -482,7 +482,7 @@ def lstm(n, dys, needs, e):
     g, gd = u.activate_with_derivative(Ac, 1)
     pi = po = pf = None
     if u.P is not None:
-        pi, po, pf = (e.unsqueeze(p, [1]) for p in e.split(u.P, 3, 1))  # [D, 1, H]
+        pi, po, pf = (e.Unsqueeze(p, [1]) for p in e.split_into(u.P, 3, 1))  # [D, 1, H]
 
     def input_forget_gates(ai, af):
         """((i, i'), (f_, f_')) for every step at once: f_ = 1 - i with input_forget."""
@@ -518,9 +518,9 @@ def lstm(n, dys, needs, e):
     Qg = e.Mul(i, gd)  # dac = dC Qg
 
     def step(e, dS, dCS, dY, m, keep, Qo, Qc, Qi, Qf, Qg, fg):
-        dHn = _masked(e, e.add(dS, dY), m)
+        dHn = _masked(e, e.accumulate(dS, dY), m)
         dao = e.Mul(dHn, Qo)
-        dC = e.add(e.Mul(dHn, Qc), _masked(e, dCS, m))
+        dC = e.accumulate(e.Mul(dHn, Qc), _masked(e, dCS, m))
         if po is not None:
             dC = e.Add(dC, e.Mul(dao, po))
         dai, daf = e.Mul(dC, Qi), e.Mul(dC, Qf)

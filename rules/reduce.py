@@ -26,11 +26,11 @@ def restore(n, v, e):
     if not keepdims:
         dims = dims_of(x)
         if axes is None and dims is not None:
-            v = e.reshape(v, [1] * len(dims))
+            v = e.Reshape(v, [1] * len(dims))
         elif isinstance(axes, list) and dims is not None:
-            v = e.unsqueeze(v, sorted(a % len(dims) for a in axes))
+            v = e.Unsqueeze(v, sorted(a % len(dims) for a in axes))
         else:
-            v = e.op("Reshape", v, e.shape(e.reduce("ReduceSum", x, axes, keepdims=True)))
+            v = e.op("Reshape", v, e.Shape(e.reduce("ReduceSum", x, axes, keepdims=True)))
     return e.expand_like(v, x)
 
 

@@ -76,10 +76,10 @@ class _Axis:
             exist_grid = self.grid
         g = self.count  # G: samples per bin on this axis (an int, or a 1-element tensor)
         i = arange(e, g, like)  # (G,)
-        gridc = e.unsqueeze(e.unsqueeze(e.Max(self.grid, f(1.0)), [-1]), [-1]) if ratio <= 0 else f(ratio)
+        gridc = e.Unsqueeze(e.Unsqueeze(e.Max(self.grid, f(1.0)), [-1]), [-1]) if ratio <= 0 else f(ratio)
         p = e.const(np.arange(pooled).reshape(pooled, 1), dtype=like.dtype or ir.DataType.FLOAT)  # (P, 1)
         self.coef = e.Add(p, e.Div(e.Add(i, f(0.5)), gridc))  # (R|1, P, G)
-        y = e.Add(e.unsqueeze(start, [1, 2]), e.Mul(self.coef, e.unsqueeze(bin_, [1, 2])))  # (R, P, G)
+        y = e.Add(e.Unsqueeze(start, [1, 2]), e.Mul(self.coef, e.Unsqueeze(bin_, [1, 2])))  # (R, P, G)
         sizef = e.CastLike(size, like) if not isinstance(size, int) else f(size)
         last = e.Sub(sizef, f(1.0))
         valid = e.And(e.GreaterOrEqual(y, f(-1.0)), e.LessOrEqual(y, sizef))
@@ -90,25 +90,25 @@ class _Axis:
         high = e.Where(top_row, last, e.Add(low, f(1.0)))
         frac = e.Where(top_row, f(0.0), e.Sub(yc, low))
         validf = e.CastLike(valid, like)
-        self.w = e.Concat(e.unsqueeze(e.Mul(e.Sub(f(1.0), frac), validf), [-1]),
-                          e.unsqueeze(e.Mul(frac, validf), [-1]), axis=-1)  # (R, P, G, 2)
-        self.pos = e.Cast(e.Concat(e.unsqueeze(low, [-1]), e.unsqueeze(high, [-1]), axis=-1),
+        self.w = e.Concat(e.Unsqueeze(e.Mul(e.Sub(f(1.0), frac), validf), [-1]),
+                          e.Unsqueeze(e.Mul(frac, validf), [-1]), axis=-1)  # (R, P, G, 2)
+        self.pos = e.Cast(e.Concat(e.Unsqueeze(low, [-1]), e.Unsqueeze(high, [-1]), axis=-1),
                           to=int(ir.DataType.INT64))
         # dl/dy: 1 where y moves the sample between two rows, 0 where it is clamped or skipped
         self.slope = e.CastLike(e.And(valid, e.And(e.Greater(y, f(0.0)), e.Not(top_row))), like)
         self.exists = None
         if exist_grid is not None:
-            self.exists = e.Less(e.unsqueeze(i, [0]), e.unsqueeze(exist_grid, [1]))  # (R, G)
+            self.exists = e.Less(e.Unsqueeze(i, [0]), e.Unsqueeze(exist_grid, [1]))  # (R, G)
         self.size = size
 
     def matrix(self, e, like, collapse):
         """(R, K, size) rows: K = P (collapse: the sum of the bin's existing samples, for avg)
         or K = P*G*2 (every sample corner, for max)."""
-        onehot = e.CastLike(e.Equal(e.unsqueeze(self.pos, [-1]), arange(e, self.size)), like)  # (R,P,G,2,S)
+        onehot = e.CastLike(e.Equal(e.Unsqueeze(self.pos, [-1]), arange(e, self.size)), like)  # (R,P,G,2,S)
         w = self.w
         if collapse and self.exists is not None:
-            w = e.Mul(w, e.unsqueeze(e.CastLike(self.exists, like), [1, 3]))
-        m = e.Mul(onehot, e.unsqueeze(w, [-1]))
+            w = e.Mul(w, e.Unsqueeze(e.CastLike(self.exists, like), [1, 3]))
+        m = e.Mul(onehot, e.Unsqueeze(w, [-1]))
         if collapse:
             return e.reduce("ReduceSum", m, [2, 3], keepdims=False)
         return e.Reshape(m, stack(e, [0, -1, self.size]))
@@ -120,12 +120,12 @@ class _Axis:
             idx = e.Reshape(self.pos, stack(e, [0, p, -1]))
             gw = e.Reshape(e.GatherElements(gm, idx, axis=2), stack(e, [0, p, g, 2]))
             if self.exists is not None:
-                gw = e.Mul(gw, e.unsqueeze(e.CastLike(self.exists, like), [1, 3]))
+                gw = e.Mul(gw, e.Unsqueeze(e.CastLike(self.exists, like), [1, 3]))
         else:
             idx = e.Reshape(self.pos, e.ints([0, -1, 1]))
             gw = e.Reshape(e.GatherElements(gm, idx, axis=2), stack(e, [0, p, g, 2]))
-        lowg, highg = e.split(gw, 2, axis=3)
-        dy = e.Mul(self.slope, e.squeeze(e.Sub(highg, lowg), [3]))  # (R, P, G)
+        lowg, highg = e.split_into(gw, 2, axis=3)
+        dy = e.Mul(self.slope, e.Squeeze(e.Sub(highg, lowg), [3]))  # (R, P, G)
         dstart = e.reduce("ReduceSum", dy, [1, 2], keepdims=False)
         dlength = e.Div(e.reduce("ReduceSum", e.Mul(dy, self.coef), [1, 2], keepdims=False),
                         e.scalar(float(p), like))
@@ -164,10 +164,10 @@ def roi_align(n, dys, needs, e):
     my = ay.matrix(e, like, collapse)  # (R, Ky, H)
     mx = ax.matrix(e, like, collapse)  # (R, Kx, W)
     # (N, R) one-hot of the batch element each roi reads
-    onehot_b = e.CastLike(e.Equal(e.unsqueeze(arange(e, big_n), [1]), e.unsqueeze(batch, [0])), like)
+    onehot_b = e.CastLike(e.Equal(e.Unsqueeze(arange(e, big_n), [1]), e.Unsqueeze(batch, [0])), like)
     # X as (C, N*H, W), and My spread over the batch: Myb[r, k, (n, h)] = onehot_b[n, r] * My[r, k, h]
     xc = e.Reshape(e.Transpose(xx, perm=[1, 0, 2, 3]), stack(e, [c, -1, w]))
-    myb = e.Reshape(e.Mul(e.unsqueeze(my, [2]), e.unsqueeze(e.Transpose(onehot_b, perm=[1, 0]), [1, 3])),
+    myb = e.Reshape(e.Mul(e.Unsqueeze(my, [2]), e.Unsqueeze(e.Transpose(onehot_b, perm=[1, 0]), [1, 3])),
                     stack(e, [0, 0, -1]))  # (R, Ky, N*H)
 
     if collapse:  # count = max(grid_h * grid_w, 1) per roi
@@ -175,10 +175,10 @@ def roi_align(n, dys, needs, e):
             d = e.Div(dy, e.scalar(float(max(ay.count * ax.count, 1)), like))
         else:
             count = e.Max(e.Mul(ay.grid, ax.grid), e.scalar(1.0, like))
-            d = e.Div(dy, e.unsqueeze(count, [1, 2, 3]))
+            d = e.Div(dy, e.Unsqueeze(count, [1, 2, 3]))
     else:
-        u = e.MatMul(e.unsqueeze(myb, [1]), xc)  # (R, C, Ky, W)
-        v = e.MatMul(u, e.unsqueeze(e.Transpose(mx, perm=[0, 2, 1]), [1]))  # (R, C, Ky, Kx)
+        u = e.MatMul(e.Unsqueeze(myb, [1]), xc)  # (R, C, Ky, W)
+        v = e.MatMul(u, e.Unsqueeze(e.Transpose(mx, perm=[0, 2, 1]), [1]))  # (R, C, Ky, Kx)
         gy, gx = ay.count, ax.count
         split = stack(e, [0, 0, ph, gy, 2, pw, gx, 2])
         v8 = e.Transpose(e.Reshape(v, split), perm=[0, 1, 2, 5, 3, 4, 6, 7])  # (R, C, P, Q, G, 2, G', 2)
@@ -186,20 +186,20 @@ def roi_align(n, dys, needs, e):
         cand = e.Reshape(v8, flat)
         exists = None
         if ay.exists is not None:  # sampling_ratio 0: (R, 1, 1, 1, S), whether sample (i, j) exists
-            pair = e.And(e.unsqueeze(ay.exists, [2, 3, 4]), e.unsqueeze(ax.exists, [1, 2, 4]))  # (R, G, 1, G', 1)
+            pair = e.And(e.Unsqueeze(ay.exists, [2, 3, 4]), e.Unsqueeze(ax.exists, [1, 2, 4]))  # (R, G, 1, G', 1)
             pair = e.Expand(pair, stack(e, [1, gy, 2, gx, 2]))
-            exists = e.unsqueeze(e.Reshape(pair, e.ints([0, -1])), [1, 2, 3])
+            exists = e.Unsqueeze(e.Reshape(pair, e.ints([0, -1])), [1, 2, 3])
             cand = e.Where(exists, cand, e.scalar(-np.inf, like))
         best = e.ArgMax(cand, axis=-1, keepdims=1)
-        hit = e.Equal(arange(e, e.shape(cand, 4)), best)
+        hit = e.Equal(arange(e, e.Shape(cand, 4)), best)
         if exists is not None:
             hit = e.And(hit, exists)
-        dcand = e.Mul(e.CastLike(hit, like), e.unsqueeze(dy, [-1]))  # (R, C, P, Q, S)
+        dcand = e.Mul(e.CastLike(hit, like), e.Unsqueeze(dy, [-1]))  # (R, C, P, Q, S)
         d8 = e.Reshape(dcand, stack(e, [0, 0, ph, pw, gy, 2, gx, 2]))
         d = e.Reshape(e.Transpose(d8, perm=[0, 1, 2, 4, 5, 3, 6, 7]),
                       stack(e, [0, 0, imul(e, gy, 2 * ph), imul(e, gx, 2 * pw)]))  # (R, C, Ky, Kx)
 
-    t = e.MatMul(d, e.unsqueeze(mx, [1]))  # (R, C, Ky, W)
+    t = e.MatMul(d, e.Unsqueeze(mx, [1]))  # (R, C, Ky, W)
     dx = None
     if needs[0]:
         # dX[n, c, h, w] = sum_{r, k} Myb[r, k, (n, h)] t[r, c, k, w]
@@ -215,13 +215,13 @@ def roi_align(n, dys, needs, e):
         gmy = _batch_pick(e, e.MatMul(tk, xw), onehot_b, big_n, h)  # (R, Ky, H)
         # dL/dMx[r, k', w] = sum_{c, k} d[r, c, k, k'] u[r, c, k, w], u = My X_b
         if collapse:
-            u = e.MatMul(e.unsqueeze(myb, [1]), xc)  # (R, C, Ky, W)
+            u = e.MatMul(e.Unsqueeze(myb, [1]), xc)  # (R, C, Ky, W)
         dk = e.Reshape(e.Transpose(d, perm=[0, 3, 1, 2]), e.ints([0, 0, -1]))  # (R, Kx, C*Ky)
         uk = e.Reshape(u, stack(e, [0, -1, w]))  # (R, C*Ky, W)
         gmx = e.MatMul(dk, uk)  # (R, Kx, W)
         dy_lo, dy_hi = ay.roi_grads(e, gmy, collapse, like)
         dx_lo, dx_hi = ax.roi_grads(e, gmx, collapse, like)
-        cols = [e.unsqueeze(v, [1]) for v in (dx_lo, dy_lo, dx_hi, dy_hi)]
+        cols = [e.Unsqueeze(v, [1]) for v in (dx_lo, dy_lo, dx_hi, dy_hi)]
         drois = e.CastLike(e.Concat(*cols, axis=1), rois)
     return [dx, drois] + [None] * (len(n.inputs) - 2)
 
@@ -229,5 +229,5 @@ def roi_align(n, dys, needs, e):
 def _batch_pick(e, q, onehot_b, big_n, h):
     """q[r, k, (n, h)] -> sum_n onehot_b[n, r] q[r, k, n, h]: (R, K, H)."""
     q4 = e.Reshape(q, stack(e, [0, 0, big_n, h]))
-    sel = e.unsqueeze(e.Transpose(onehot_b, perm=[1, 0]), [1, 3])  # (R, 1, N, 1)
+    sel = e.Unsqueeze(e.Transpose(onehot_b, perm=[1, 0]), [1, 3])  # (R, 1, N, 1)
     return e.reduce("ReduceSum", e.Mul(q4, sel), [2], keepdims=False)

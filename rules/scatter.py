@@ -39,7 +39,7 @@ from gradbuilder.rules.sizes import Dims, accumulation_type, as_int64, cast_to, 
 def _ordinals(e, like):
     """0, 1, 2, ... (int64) in the shape of ``like``: the row-major number of each element."""
     count = e.Size(like)
-    return reshape_like(e, e.Range(scalar_of(e, 0), e.reshape(count, []), scalar_of(e, 1)), like)
+    return reshape_like(e, e.Range(scalar_of(e, 0), e.Reshape(count, []), scalar_of(e, 1)), like)
 
 
 # ----------------------------------------------------------------------------- ScatterElements / ScatterND
@@ -211,8 +211,8 @@ def tensor_scatter(n, dys, needs, e):
             dupd = e.Slice(dy, e.ints([0]), vec(e, length), e.ints([axis]))
         else:
             steps = e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1))
-            pos = e.Add(e.reshape(steps, [-1] + [1] * (rank - 1 - axis)),
-                        e.reshape(as_int64(e, write), [-1] + [1] * (rank - 1)))
+            pos = e.Add(e.Reshape(steps, [-1] + [1] * (rank - 1 - axis)),
+                        e.Reshape(as_int64(e, write), [-1] + [1] * (rank - 1)))
             if mode == "circular":
                 pos = e.Mod(pos, vec(e, dims[axis]))
             dupd = e.GatherElements(dy, e.Expand(pos, Dims(e, update).vector()), axis=axis)
@@ -242,8 +242,8 @@ def compress(n, dys, needs, e):
     (dy,) = dys
     axis = attr(n, "axis")
     picked = e.op("Compress", _ordinals(e, x), condition, axis=axis)
-    flat = e.ScatterElements(zeros(e, e.reshape(e.Size(x), [1]), x), e.reshape(picked, [-1]),
-                             e.reshape(dy, [-1]), axis=0)
+    flat = e.ScatterElements(zeros(e, e.Reshape(e.Size(x), [1]), x), e.Reshape(picked, [-1]),
+                             e.Reshape(dy, [-1]), axis=0)
     return reshape_like(e, flat, x), None
 
 
@@ -267,8 +267,8 @@ def one_hot(n, dys, needs, e):
     if needs[2]:
         hot = e.OneHot(indices, depth, e.const(np.array([0.0, 1.0]), dtype=values.dtype or ir.DataType.FLOAT),
                        axis=attr(n, "axis", -1))
-        on = e.reshape(e.reduce("ReduceSum", e.Mul(dy, hot), None, keepdims=False), [1])
-        total = e.reshape(e.reduce("ReduceSum", dy, None, keepdims=False), [1])
+        on = e.Reshape(e.reduce("ReduceSum", e.Mul(dy, hot), None, keepdims=False), [1])
+        total = e.Reshape(e.reduce("ReduceSum", dy, None, keepdims=False), [1])
         dvalues = e.Concat(e.Sub(total, on), on, axis=0)
     return (e.zeros_like(indices) if needs[0] else None, e.zeros_like(depth) if needs[1] else None, dvalues)
 
@@ -294,5 +294,5 @@ def unique(n, dys, needs, e):
         share = e.Div(dy, e.CastLike(counts, dy))
         return (reshape_like(e, e.Gather(share, inverse), x),)
     trailing = -1 - axis if axis < 0 else Dims(e, x).need_rank("Unique") - 1 - axis
-    share = e.Div(dy, e.reshape(e.CastLike(counts, dy), [-1] + [1] * trailing))
+    share = e.Div(dy, e.Reshape(e.CastLike(counts, dy), [-1] + [1] * trailing))
     return (e.Gather(share, inverse, axis=axis),)

@@ -34,8 +34,8 @@ from gradbuilder.rules.sizes import INT64_MAX, Dims, cast_to, iadd, isub, revers
 
 def _taps(e, x, length, k):
     """U[b, c, t, j] = x[b, c, t + j] for t < length, j < k: (B, C, length, k)."""
-    rows = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1)), [-1, 1])
-    cols = e.reshape(e.Range(scalar_of(e, 0), scalar_of(e, k), scalar_of(e, 1)), [1, -1])
+    rows = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1)), [-1, 1])
+    cols = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, k), scalar_of(e, 1)), [1, -1])
     return e.Gather(x, e.Add(rows, cols), axis=2)
 
 
@@ -54,7 +54,7 @@ class _Shifted:
 
     def __init__(self, e, padded, w, k, length):
         self.e, self.padded, self.k = e, padded, k
-        self.w = e.reshape(w, [0, -1])  # (C, k)
+        self.w = e.Reshape(w, [0, -1])  # (C, k)
 
     def tap(self, v, j, tail):
         """v[:, :, j : len(v) - tail]"""
@@ -109,8 +109,8 @@ class _Unfolded:
     def weight_grad(self, dconv):
         """(C, 1, B * L) @ (C, B * L, k) -> (C, 1, k)"""
         e = self.e
-        lhs = e.reshape(e.Transpose(dconv, perm=[1, 0, 2]), [0, 1, -1])
-        rhs = e.reshape(e.Transpose(self.taps(), perm=[1, 0, 2, 3]), stack(e, [0, -1, self.k]))
+        lhs = e.Reshape(e.Transpose(dconv, perm=[1, 0, 2]), [0, 1, -1])
+        rhs = e.Reshape(e.Transpose(self.taps(), perm=[1, 0, 2, 3]), stack(e, [0, -1, self.k]))
         return e.MatMul(lhs, rhs)
 
 
@@ -141,7 +141,7 @@ def causal_conv_with_state(n, dys, needs, e):
     if dy is not None and attr(n, "activation", "none") in ("silu", "swish"):
         conv = ops.conv()
         if bias is not None:
-            conv = e.Add(conv, e.unsqueeze(bias, [1]))
+            conv = e.Add(conv, e.Unsqueeze(bias, [1]))
         slope, wide = _silu_slope(e, conv, x)
         dconv = cast_to(e, e.Mul(cast_to(e, dy, wide), slope), x.dtype if wide else None)
 

@@ -61,13 +61,13 @@ def squeeze(n, dys, needs, e):
     axes = n.inputs[1] if len(n.inputs) > 1 else None
     if axes is None:
         return (reshape_like(e, dys[0], x),)
-    return (e.unsqueeze(dys[0], axes),)
+    return (e.Unsqueeze(dys[0], axes),)
 
 
 @register("Unsqueeze")
 def unsqueeze(n, dys, needs, e):
     """dx = squeeze(dy, axes)"""
-    return (e.squeeze(dys[0], n.inputs[1]),)
+    return (e.Squeeze(dys[0], n.inputs[1]),)
 
 
 @register("Expand")
@@ -93,7 +93,7 @@ def concat(n, dys, needs, e):
         return (dy,)
     axis = attr(n, "axis")
     sizes = stack(e, [_size_along(e, x, axis) for x in xs])
-    parts = e.split(dy, len(xs), axis=axis, sizes=sizes)
+    parts = e.split_into(dy, len(xs), axis=axis, sizes=sizes)
     return [p if need else None for p, need in zip(parts, needs)]
 
 
@@ -126,7 +126,7 @@ def tile(n, dys, needs, e):
     if all(is_one(r) for r in reps):
         return (dy,)
     interleaved = [s for k in range(rank) for s in (reps[k], dims[k])]
-    g = e.reshape(dy, stack(e, interleaved))
+    g = e.Reshape(dy, stack(e, interleaved))
     return (e.reduce("ReduceSum", g, list(range(0, 2 * rank, 2)), keepdims=False),)
 
 
@@ -184,7 +184,7 @@ def _fold_wrap(e, g, k, rank, b, a, length, sizes):
     total = iadd(e, iadd(e, iadd(e, b, length), a), shift)
     periods = idiv(e, iadd(e, total, isub(e, length, 1)), length)
     g = pad_axes(e, g, rank, {k: shift}, {k: isub(e, imul(e, periods, length), total)})
-    g = e.reshape(g, stack(e, sizes[:k] + [periods, length] + sizes[k + 1:]))
+    g = e.Reshape(g, stack(e, sizes[:k] + [periods, length] + sizes[k + 1:]))
     return e.reduce("ReduceSum", g, [k], keepdims=False)
 
 

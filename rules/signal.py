@@ -77,9 +77,9 @@ def _as_parts(e, v, parts):
 def _along(e, v, trailing):
     """1-D ``v`` reshaped to lie along an axis followed by ``trailing`` unit axes."""
     if isinstance(trailing, int):
-        return e.reshape(v, [-1] + [1] * trailing)
+        return e.Reshape(v, [-1] + [1] * trailing)
     ones = e.ConstantOfShape(trailing, value=ir.tensor(np.array([1], dtype=np.int64)))
-    return e.reshape(v, e.Concat(e.ints([-1]), ones, axis=0))
+    return e.Reshape(v, e.Concat(e.ints([-1]), ones, axis=0))
 
 
 def _size(e, v):
@@ -87,7 +87,7 @@ def _size(e, v):
     c = constant_of(v)
     if c is not None:
         return int(np.asarray(c).reshape(-1)[0])
-    return e.reshape(as_int64(e, v), [1])
+    return e.Reshape(as_int64(e, v), [1])
 
 
 # ----------------------------------------------------------------------------- DFT
@@ -145,13 +145,13 @@ def dft(n, dys, needs, e):
         count = imul(e, isub(e, length, 1), 2) if irfft else length
     bins = iadd(e, idiv(e, count, 2), 1)
     if irfft:
-        spectrum = _conj(e, e.dft(dy, raw_axis, inverse=1))
+        spectrum = _conj(e, e.DFT(dy, raw_axis, inverse=1))
         trailing = isub(e, isub(e, dims.rank_value(), axis), 1)
         g = e.Mul(_fit(e, spectrum, axis, count, bins, rank), _irfft_weights(e, count, bins, trailing, dy))
         have = bins
     else:
         g = _fit(e, dy, axis, bins, count, rank) if onesided else dy
-        g = e.dft(_conj(e, g), raw_axis, inverse=inverse)
+        g = e.DFT(_conj(e, g), raw_axis, inverse=inverse)
         g = g if is_one(parts) else _conj(e, g)  # a real x drops the imaginary part anyway
         have = count
     return (_as_parts(e, _fit(e, g, axis, have, length, rank), parts),)
@@ -189,23 +189,23 @@ def stft(n, dys, needs, e):
         # does nothing at run time; it gives the padded dy the static size W either way.
         g = pad_axis(e, g, 4, 2, 0, isub(e, width, iadd(e, idiv(e, width, 2), 1)))
         g = e.Slice(g, e.ints([0]), vec(e, width), e.ints([2]))
-    g = e.dft(_conj(e, g), 2)
+    g = e.DFT(_conj(e, g), 2)
     parts = sd[2]
     dz = _as_parts(e, g if is_one(parts) else _conj(e, g), parts)  # (B, F, W, C)
 
     starts = e.Mul(e.Range(scalar_of(e, 0), scalar_of(e, frames), scalar_of(e, 1)), vec(e, step))
     offsets = e.Range(scalar_of(e, 0), scalar_of(e, width), scalar_of(e, 1))
-    where = e.Add(e.unsqueeze(starts, [1]), e.unsqueeze(offsets, [0]))  # (F, W): f s + t
+    where = e.Add(e.Unsqueeze(starts, [1]), e.Unsqueeze(offsets, [0]))  # (F, W): f s + t
 
     dsignal = dwindow = None
     if window is not None and needs[2]:
         framed = e.Gather(signal, where, axis=1)  # (B, F, W, C)
         dwindow = e.reduce("ReduceSum", e.Mul(dz, framed), [0, 1, 3], keepdims=False)
     if needs[0]:
-        dframes = e.Mul(dz, e.reshape(window, [-1, 1])) if window is not None else dz
-        flat = e.reshape(dframes, stack(e, [0, -1, parts]))  # (B, F W, C)
+        dframes = e.Mul(dz, e.Reshape(window, [-1, 1])) if window is not None else dz
+        flat = e.Reshape(dframes, stack(e, [0, -1, parts]))  # (B, F W, C)
         acc = accumulation_type(signal, False)
-        positions = e.Expand(e.reshape(where, [1, -1, 1]), e.Shape(flat))
+        positions = e.Expand(e.Reshape(where, [1, -1, 1]), e.Shape(flat))
         summed = e.ScatterElements(zeros(e, sd.vector(), signal, acc), positions, cast_to(e, flat, acc),
                                    axis=1, reduction="add")
         dsignal = cast_to(e, summed, signal.dtype)

@@ -51,7 +51,7 @@ def scalar_of(e, a):
     """Size ``a`` as a rank-0 int64 tensor (for Range)."""
     if isinstance(a, int):
         return e.const(np.array(a, dtype=np.int64))
-    return e.reshape(a, e.const(np.zeros((0,), dtype=np.int64)))
+    return e.Reshape(a, e.const(np.zeros((0,), dtype=np.int64)))
 
 
 def stack(e, items):
@@ -172,7 +172,7 @@ class Dims:
         """The rank as a size: an int when known, else Size(Shape(x))."""
         if self.rank is not None:
             return self.rank
-        return self.e.reshape(self.e.Size(self.shape()), [1])
+        return self.e.Reshape(self.e.Size(self.shape()), [1])
 
     def axis(self, a: int):
         """Axis ``a`` (negative counts from the end) as a size >= 0."""
@@ -209,7 +209,7 @@ def reshape_like(e, v, like):
     d = Dims(e, like)
     static = d.static is not None and None not in d.static
     zero_dims = not static or 0 in d.static
-    return e.reshape(v, d.vector(), allowzero=zero_dims)
+    return e.Reshape(v, d.vector(), allowzero=zero_dims)
 
 
 def zeros(e, shape, like, dtype=None):
@@ -236,7 +236,7 @@ def pad_axis(e, v, rank, axis, before, after):
     amounts = stack(e, [before, after])
     if e.opset >= 18:
         return e.Pad(v, amounts, None, vec(e, axis))
-    rank = rank if rank is not None else e.reshape(e.Size(e.Shape(v)), [1])
+    rank = rank if rank is not None else e.Reshape(e.Size(e.Shape(v)), [1])
     where = e.Concat(vec(e, axis), vec(e, iadd(e, axis, rank)), axis=0)
     pads = e.ScatterElements(zeros(e, vec(e, imul(e, rank, 2)), None, ir.DataType.INT64), where, amounts, axis=0)
     return e.Pad(v, pads)

@@ -129,9 +129,9 @@ def col2im(n, dys, needs, e):
         kernel = e.Reshape(e.EyeLike(square), e.Concat(k, e.ints([1]), blocks, axis=0))
     image = dims_of(dy)
     if image is not None and all(isinstance(a, int) for a in image[2:]):
-        planes = e.reshape(dy, [-1, 1, *image[2:]])
+        planes = e.Reshape(dy, [-1, 1, *image[2:]])
     else:
-        planes = e.Reshape(dy, e.Concat(e.ints([-1, 1]), e.shape(dy, 2), axis=0))
+        planes = e.Reshape(dy, e.Concat(e.ints([-1, 1]), e.Shape(dy, 2), axis=0))
     cols = e.Conv(cast_to(e, planes, ct), kernel, strides=attr(n, "strides"), dilations=attr(n, "dilations"),
                   pads=attr(n, "pads"))
     return (cast_to(e, reshape_like(e, cols, x), dy.dtype), None, None)
@@ -331,7 +331,7 @@ def _taps(e, n, x, length, ct, stretch=None):
         tap = {"round_prefer_floor": lambda: e.Ceil(e.Sub(x, half)),  # halves down
                "round_prefer_ceil": lambda: e.Floor(e.Add(x, half)),  # halves up
                "floor": lambda: e.Floor(x), "ceil": lambda: e.Ceil(x)}[rounding]()
-        return clamp(e.unsqueeze(tap, [1])), None, None, None
+        return clamp(e.Unsqueeze(tap, [1])), None, None, None
     radius = 1.0 if mode == "linear" else 2.0
     if stretch is None:
         offsets = e.const(np.arange(1 - radius, radius + 1), dtype=ct)
@@ -340,8 +340,8 @@ def _taps(e, n, x, length, ct, stretch=None):
         scalar = e.ints([])
         offsets = e.Range(e.Reshape(first, scalar), e.Reshape(e.Sub(e.scalar(2.0, like=x), first), scalar),
                           e.scalar(1.0, like=x))
-    tap = e.Add(e.unsqueeze(e.Floor(x), [1]), e.unsqueeze(offsets, [0]))  # [out, T]
-    dist = e.Sub(tap, e.unsqueeze(x, [1]))
+    tap = e.Add(e.Unsqueeze(e.Floor(x), [1]), e.Unsqueeze(offsets, [0]))  # [out, T]
+    dist = e.Sub(tap, e.Unsqueeze(x, [1]))
     k, dk = _kernel(e, dist if stretch is None else e.Mul(dist, stretch), mode, attr(n, "cubic_coeff_a", -0.75))
     if attr(n, "exclude_outside", 0):
         inside = e.Cast(e.And(e.GreaterOrEqual(tap, zero), e.LessOrEqual(tap, last)), to=int(ct))
@@ -361,11 +361,11 @@ def _explicit_matrix(e, idx, w, extrapolated, length, ct):
     """M (out x length): M[j, i] = sum of the weights of the taps of j landing on i; rows
     that take extrapolation_value are zero."""
     grid = e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1))
-    onehot = e.Cast(e.Equal(e.unsqueeze(idx, [2]), grid), to=int(ct))  # [out, T, length]
-    m = e.squeeze(onehot, [1]) if w is None else e.reduce("ReduceSum", e.Mul(onehot, e.unsqueeze(w, [2])), [1],
+    onehot = e.Cast(e.Equal(e.Unsqueeze(idx, [2]), grid), to=int(ct))  # [out, T, length]
+    m = e.Squeeze(onehot, [1]) if w is None else e.reduce("ReduceSum", e.Mul(onehot, e.Unsqueeze(w, [2])), [1],
                                                             keepdims=False)
     if extrapolated is not None:
-        m = e.Where(e.unsqueeze(extrapolated, [1]), e.scalar(0.0, like=m), m)
+        m = e.Where(e.Unsqueeze(extrapolated, [1]), e.scalar(0.0, like=m), m)
     return m
 
 
@@ -507,7 +507,7 @@ def resize(n, dys, needs, e):
             if mk is not None:
                 f = _contract(e, f, e.Transpose(mk, perm=[1, 0]), k, rank)
         def total(v):
-            return e.reshape(e.reduce("ReduceSum", v, None, keepdims=False), [1])
+            return e.Reshape(e.reduce("ReduceSum", v, None, keepdims=False), [1])
 
         ds, dstart, dend = [], [], []
         for i, k in enumerate(axes):
@@ -515,14 +515,14 @@ def resize(n, dys, needs, e):
             idx, _, dw_dx, dw_dt = _taps(e, n, x_ori, d[k], hd, stretch)
             dm = _outer(e, cast_to(e, back[i], hd), fwd[i], k, rank)  # dL/dM_k [out, in]
             if extrapolated is not None:
-                dm = e.Where(e.unsqueeze(extrapolated, [1]), e.scalar(0.0, like=dm), dm)
+                dm = e.Where(e.Unsqueeze(extrapolated, [1]), e.scalar(0.0, like=dm), dm)
             at_taps = e.GatherElements(dm, idx, axis=1)  # [out, T]
             dl_dx = e.reduce("ReduceSum", e.Mul(at_taps, dw_dx), [1], keepdims=False)  # [out]
             if want_scales:
                 g_s = total(e.Mul(dl_dx, dx["s"]))
                 if stretch is not None:  # dt/ds = 1 where s < 1
                     below = e.Cast(e.Less(s, _real(e, 1.0, hd)), to=int(hd))
-                    g_s = e.Add(g_s, e.Mul(total(e.Mul(at_taps, dw_dt)), e.reshape(below, [1])))
+                    g_s = e.Add(g_s, e.Mul(total(e.Mul(at_taps, dw_dt)), e.Reshape(below, [1])))
                 ds.append(g_s)
             if want_roi:
                 dstart.append(total(e.Mul(dl_dx, dx["start"])))
@@ -563,8 +563,8 @@ def affine_grid(n, dys, needs, e):
     else:
         two_size = e.Concat(e.ints([2]), e.Slice(as_int64(e, size), e.ints([1]), e.ints([r + 2])), axis=0)
     grids = e.AffineGrid(e.CastLike(identity, dy), two_size, align_corners=attr(n, "align_corners", 0))
-    base = e.reshape(e.Gather(grids, e.ints([0]), axis=0), [-1, r])  # [P, r]
-    dyt = e.Transpose(e.reshape(dy, [0, -1, r]), perm=[0, 2, 1])  # [N, r, P]
+    base = e.Reshape(e.Gather(grids, e.ints([0]), axis=0), [-1, r])  # [P, r]
+    dyt = e.Transpose(e.Reshape(dy, [0, -1, r]), perm=[0, 2, 1])  # [N, r, P]
     linear = e.MatMul(dyt, base)  # [N, r, r]
     offset = e.reduce("ReduceSum", dyt, [2], keepdims=True)  # [N, r, 1]
     return (e.Concat(linear, offset, axis=2), None)
@@ -655,7 +655,7 @@ def _axis_taps(e, coord, length, mode, padding, align, ct):
 def _place(e, v, a, r):
     """[N, T_a, P] -> [N, 1, .., T_a, .., 1, P] with T_a on axis 1 + a of r tap axes."""
     others = [1 + b for b in range(r) if b != a]
-    return e.unsqueeze(v, others) if others else v
+    return e.Unsqueeze(v, others) if others else v
 
 
 def _product(e, factors):
@@ -702,7 +702,7 @@ def grid_sample(n, dys, needs, e):
     batch, channels = xd[0], xd[1]
     plane = iprod(e, lengths)  # H*W(*D)
 
-    coords = e.Transpose(e.reshape(cast_to(e, grid, ct), [0, -1, r]), perm=[0, 2, 1])  # [N, r, P]
+    coords = e.Transpose(e.Reshape(cast_to(e, grid, ct), [0, -1, r]), perm=[0, 2, 1])  # [N, r, P]
     idx, w, dw, slope = [], [], [], []
     for a in range(r):  # grid[..., 0] is the last spatial axis
         taps = _axis_taps(e, e.Gather(coords, e.ints([r - 1 - a]), axis=1), lengths[a], mode, padding, align, ct)
@@ -719,25 +719,25 @@ def grid_sample(n, dys, needs, e):
         flat = term if flat is None else e.Add(flat, term)
         stride = iprod(e, [stride, lengths[a]])
     rows = e.Range(scalar_of(e, 0), scalar_of(e, batch), scalar_of(e, 1))
-    first = e.reshape(e.Mul(rows, vec(e, plane)), [-1] + [1] * (r + 1))
-    flat = e.reshape(e.Add(flat, first), [0, count, -1])  # [N, T, P]
+    first = e.Reshape(e.Mul(rows, vec(e, plane)), [-1] + [1] * (r + 1))
+    flat = e.Reshape(e.Add(flat, first), [0, count, -1])  # [N, T, P]
 
     def per_tap(v):  # [N, T_0, .., T_r-1, P] -> [N, T, P]
-        return e.reshape(v, [0, count, -1])
+        return e.Reshape(v, [0, count, -1])
 
     weight = _product(e, w)  # None: every weight is 1 (nearest without zero padding)
-    dyt = e.Transpose(e.reshape(dy, [0, 0, -1]), perm=[0, 2, 1])  # [N, P, C]
+    dyt = e.Transpose(e.Reshape(dy, [0, 0, -1]), perm=[0, 2, 1])  # [N, P, C]
     width = vec(e, channels)
 
     dx = None
     if needs[0]:
         acc = accumulation_type(x, unique=False) or ir.DataType.FLOAT
-        upd = e.unsqueeze(cast_to(e, dyt, acc), [1])  # [N, 1, P, C]
+        upd = e.Unsqueeze(cast_to(e, dyt, acc), [1])  # [N, 1, P, C]
         if weight is not None:
-            upd = e.Mul(upd, e.unsqueeze(cast_to(e, per_tap(weight), acc), [3]))  # [N, T, P, C]
+            upd = e.Mul(upd, e.Unsqueeze(cast_to(e, per_tap(weight), acc), [3]))  # [N, T, P, C]
         upd = e.Reshape(upd, e.Concat(e.ints([-1]), width, axis=0))
         base = zeros(e, e.Concat(vec(e, iprod(e, [batch, plane])), width, axis=0), x, acc)
-        summed = e.ScatterND(base, e.reshape(flat, [-1, 1]), upd, reduction="add")  # [N * plane, C]
+        summed = e.ScatterND(base, e.Reshape(flat, [-1, 1]), upd, reduction="add")  # [N * plane, C]
         per_batch = e.Reshape(summed, e.Concat(vec(e, batch), vec(e, plane), width, axis=0))
         dx = cast_to(e, reshape_like(e, e.Transpose(per_batch, perm=[0, 2, 1]), x), x.dtype)
 
@@ -746,10 +746,10 @@ def grid_sample(n, dys, needs, e):
         if mode == "nearest":
             dgrid = e.zeros_like(grid)
         else:
-            table = e.Reshape(e.Transpose(e.reshape(cast_to(e, x, ct), [0, 0, -1]), perm=[0, 2, 1]),
+            table = e.Reshape(e.Transpose(e.Reshape(cast_to(e, x, ct), [0, 0, -1]), perm=[0, 2, 1]),
                               e.Concat(e.ints([-1]), width, axis=0))  # [N * plane, C]
             picked = e.Gather(table, flat, axis=0)  # [N, T, P, C]
-            dot = e.reduce("ReduceSum", e.Mul(picked, e.unsqueeze(cast_to(e, dyt, ct), [1])), [3],
+            dot = e.reduce("ReduceSum", e.Mul(picked, e.Unsqueeze(cast_to(e, dyt, ct), [1])), [3],
                            keepdims=False)  # [N, T, P]: sum_c dy X at each tap
             parts = [None] * r
             for a in range(r):

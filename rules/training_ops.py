@@ -122,9 +122,9 @@ def adagrad(n, dys, needs, e):
         s = e.Add(root, e.scalar(eps, x))
         a_s = None if a is None else e.Div(a, s)
         q = _mul(e, a_s, r)
-        dh = e.add(b, None if q is None else e.Div(e.Mul(q, gr), e.Mul(e.Mul(e.scalar(2.0, x), s), root)))
+        dh = e.accumulate(b, None if q is None else e.Div(e.Mul(q, gr), e.Mul(e.Mul(e.scalar(2.0, x), s), root)))
         dgr = _sub(e, _mul(e, e.Mul(e.scalar(2.0, x), gr), dh), q)
-        grads[ix] = e.add(a, _scale(e, dgr, nc, x))
+        grads[ix] = e.accumulate(a, _scale(e, dgr, nc, x))
         grads[ig] = dgr
         grads[ih] = dh
         if needs[0] and a_s is not None:
@@ -171,13 +171,13 @@ def momentum(n, dys, needs, e):
         dgr = dv_new if ba is None else _mul(e, dv_new, ba)
         if nesterov:
             dgr = _sub(e, dgr, ra)
-        grads[ix] = e.add(a, _scale(e, dgr, nc, x))
+        grads[ix] = e.accumulate(a, _scale(e, dgr, nc, x))
         grads[ig] = dgr
         grads[iv] = _scale(e, dv_new, alpha, x)
         if needs[0] and a is not None:
             step = v_new
             if nesterov:
-                step = e.add(_regularized(e, x, g, nc), _scale(e, v_new, alpha, x))
+                step = e.accumulate(_regularized(e, x, g, nc), _scale(e, v_new, alpha, x))
             r_parts.append(e.Neg(e.Mul(a, step)))
     return _finish(e, n, needs, grads, r_parts)
 
@@ -224,10 +224,10 @@ def adam(n, dys, needs, e):
         a_s = None if a is None else e.Div(a, s)
         q = _mul(e, a_s, rc)
         dv_new = _sub(e, b, q)
-        dh_new = e.add(h, None if q is None else e.Div(e.Mul(q, v_new), e.Mul(e.Mul(e.scalar(2.0, x), s), root)))
-        dgr = e.add(_scale(e, dv_new, 1.0 - alpha, x),
+        dh_new = e.accumulate(h, None if q is None else e.Div(e.Mul(q, v_new), e.Mul(e.Mul(e.scalar(2.0, x), s), root)))
+        dgr = e.accumulate(_scale(e, dv_new, 1.0 - alpha, x),
                    _mul(e, _scale(e, gr, 2.0 * (1.0 - beta), x), dh_new))
-        grads[ix] = e.add(a, _scale(e, dgr, nc, x))
+        grads[ix] = e.accumulate(a, _scale(e, dgr, nc, x))
         grads[ig] = dgr
         grads[iv] = _scale(e, dv_new, alpha, x)
         grads[ih] = _scale(e, dh_new, beta, x)

@@ -42,9 +42,13 @@ class Emitter:
     """Appends new nodes to a graph, with unique names and light type/shape propagation.
 
     ``e.Mul(a, b)`` emits a ``Mul`` node and returns its output; ``e.op("Split", x,
-    outputs=2, axis=0)`` is the general form. Helpers hide opset differences
-    (``reduce``, ``squeeze``, ``unsqueeze``, ``split``, ``where``, ``dft``, ``reshape``'s
-    allowzero, ``shape``'s start/end) and reverse broadcasting (``unbroadcast``).
+    outputs=2, axis=0)`` is the general form. Where an op's form differs between opsets the
+    op's own name is the safe form: ``Squeeze``/``Unsqueeze``/``Reshape`` take lists too,
+    ``Reshape``'s allowzero and ``Shape``'s start/end are dropped or emulated where the opset
+    lacks them, ``Where`` blends bfloat16 before opset 16, ``DFT`` takes its axis as the opset
+    wants, ``CastLike`` is a Cast when the type is known. Helpers have names no op has:
+    ``reduce``, ``split_into``, ``accumulate`` (None is zero), ``expand_like``, ``zeros_like``,
+    ``ones_like``, ``unbroadcast`` (reverse broadcasting), ``if_``, ``const``/``scalar``/``ints``.
     ``typed`` records a value's dtype and shape where the emitter's light inference cannot;
     ``used_names`` is the set of names taken in the model (shared with child emitters).
     """
@@ -176,15 +180,19 @@ class Emitter:
             return v
         if ld is not None and all(isinstance(d, int) for d in ld):
             return self.op("Expand", v, self.ints(ld))
-        return self.op("Expand", v, self.shape(like))
+        return self.op("Expand", v, self.Shape(like))
 
-    def squeeze(self, x: ir.Value, axes) -> ir.Value:
+    def Squeeze(self, x: ir.Value, axes=None) -> ir.Value:  # noqa: N802 (ONNX op name)
+        """Squeeze ``axes`` (a list or an int64 value; None: every axis of size 1)."""
+        if axes is None:
+            return self.op("Squeeze", x)
         return self.op("Squeeze", x, axes if isinstance(axes, ir.Value) else self.ints(axes))
 
-    def unsqueeze(self, x: ir.Value, axes) -> ir.Value:
+    def Unsqueeze(self, x: ir.Value, axes) -> ir.Value:  # noqa: N802 (ONNX op name)
+        """Unsqueeze at ``axes`` (a list or an int64 value)."""
         return self.op("Unsqueeze", x, axes if isinstance(axes, ir.Value) else self.ints(axes))
 
-    def shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:
+    def Shape(self, x: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:  # noqa: N802
         """Shape of ``x`` (dims ``start:end``); Shape's start/end exist from opset 15 only."""
         if (start is None and end is None) or self.opset >= 15:
             return self.op("Shape", x, start=start, end=end)
@@ -192,7 +200,7 @@ class Emitter:
         stop = end if end is not None else 2**62
         return self.op("Slice", full, self.ints([start or 0]), self.ints([stop]), self.ints([0]))
 
-    def reshape(self, x: ir.Value, shape, allowzero: bool = False) -> ir.Value:
+    def Reshape(self, x: ir.Value, shape, allowzero: bool = False) -> ir.Value:  # noqa: N802 (ONNX op name)
         """Reshape ``x`` to ``shape`` (a list or an int64 value). ``allowzero``: a 0 in shape
         means an empty axis, not a copy of x's dim; the attribute exists from opset 14, before
         which it is left out."""
@@ -201,7 +209,7 @@ class Emitter:
             return self.op("Reshape", x, shape, allowzero=1)
         return self.op("Reshape", x, shape)
 
-    def split(self, x: ir.Value, parts: int, axis: int = 0, sizes=None) -> list[ir.Value]:
+    def split_into(self, x: ir.Value, parts: int, axis: int = 0, sizes=None) -> list[ir.Value]:
         """``x`` in ``parts`` pieces along ``axis``: equal pieces (Split's num_outputs attribute
         from opset 18, implied by the output count before), or of ``sizes`` (an int64 value, given
         as Split's input)."""
@@ -213,7 +221,7 @@ class Emitter:
             return list(self.op("Split", x, outputs=parts, axis=axis, num_outputs=parts))
         return list(self.op("Split", x, outputs=parts, axis=axis))
 
-    def where(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    def Where(self, cond: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:  # noqa: N802 (ONNX op name)
         """``Where(cond, a, b)``. Where takes bfloat16 only from opset 16; before, a blend with a
         0/1 mask instead."""
         if self.opset >= 16 or ir.DataType.BFLOAT16 not in (a.dtype, b.dtype):
@@ -245,16 +253,16 @@ class Emitter:
             o.dtype, o.shape = like.dtype, like.shape
         return outs
 
-    def dft(self, x: ir.Value, axis, inverse: int = 0, onesided: int = 0) -> ir.Value:
+    def DFT(self, x: ir.Value, axis, inverse: int = 0, onesided: int = 0) -> ir.Value:  # noqa: N802 (ONNX op name)
         """DFT of ``x`` along ``axis`` (an int, or a 1-element int64 value from opset 20), no
         dft_length: the axis is an attribute before opset 20, an input from then on."""
         flags = {"inverse": inverse or None, "onesided": onesided or None}
         if self.opset < 20:
             return self.op("DFT", x, axis=axis, **flags)
-        axis_v = self.const(np.array(axis, np.int64)) if isinstance(axis, int) else self.reshape(axis, [])
+        axis_v = self.const(np.array(axis, np.int64)) if isinstance(axis, int) else self.Reshape(axis, [])
         return self.op("DFT", x, None, axis_v, **flags)
 
-    def add(self, a: ir.Value | None, b: ir.Value | None) -> ir.Value | None:
+    def accumulate(self, a: ir.Value | None, b: ir.Value | None) -> ir.Value | None:
         """a + b where None is zero (gradient contributions that may be absent)."""
         if a is None:
             return b
@@ -311,7 +319,7 @@ class Emitter:
                 else:
                     out = self.reduce("ReduceSum", grad, axes, keepdims=True)
                     if lead:
-                        out = self.squeeze(out, list(range(lead)))
+                        out = self.Squeeze(out, list(range(lead)))
                 self.typed(out, like.dtype, x)
                 return out
         return self._unbroadcast_dynamic(grad, like)
@@ -322,15 +330,15 @@ class Emitter:
                 and int(np.prod(dims[:lead])) >= 64)
 
     def _unbroadcast_dynamic(self, grad: ir.Value, like: ir.Value) -> ir.Value:
-        gshape = self.shape(grad)
-        xshape = self.shape(like)
-        grank = self.shape(gshape)
-        xrank = self.shape(xshape)
+        gshape = self.Shape(grad)
+        xshape = self.Shape(like)
+        grank = self.Shape(gshape)
+        xrank = self.Shape(xshape)
         pad = self.op("Sub", grank, xrank)
         ones = self.op("ConstantOfShape", pad, value=ir.tensor(np.array([1], dtype=np.int64)))
         padded = self.op("Concat", ones, xshape, axis=0)
         mask = self.op("Equal", padded, self.ints([1]))
-        axes = self.reshape(self.op("NonZero", mask), [-1])
+        axes = self.Reshape(self.op("NonZero", mask), [-1])
         summed = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
         out = self.op("Reshape", summed, xshape)
         self.typed(out, like.dtype, dims_of(like))

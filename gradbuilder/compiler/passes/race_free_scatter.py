@@ -76,7 +76,7 @@ def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
                 out = view.restore(_segment_sum(e, view.data, view.rows, view.updates,
                                                 view.count if _is_zeros(data) else None))
             else:
-                out = view.restore(e.ScatterElements(view.data, e.Expand(e.reshape(view.rows, [-1, 1]), view.one_rest),
+                out = view.restore(e.ScatterElements(view.data, e.Expand(e.Reshape(view.rows, [-1, 1]), view.one_rest),
                                                      view.updates, axis=0, reduction=_reduction(node)))
         graph.remove(e.nodes)
         graph.insert_before(node, e.nodes)
@@ -104,7 +104,7 @@ class _RowView:
         if dd is not None and k is not None and all(isinstance(d, int) for d in dd):
             lead, rest = list(dd[:k]), int(np.prod(dd[k:], dtype=np.int64))
             rows = int(np.prod(lead, dtype=np.int64))
-            numbered = e.reshape(e.Range(e.const(0), e.const(rows), e.const(1)), lead)
+            numbered = e.Reshape(e.Range(e.const(0), e.const(rows), e.const(1)), lead)
             rows_rest, self.one_rest, per_update = e.ints([rows, rest]), e.ints([1, rest]), e.ints([-1, rest])
             self.count = e.ints([rows])
             self.shape = e.ints(list(dd))
@@ -114,12 +114,12 @@ class _RowView:
             lead_v = e.Slice(self.shape, e.ints([0]), k_v)
             rows_v = e.reduce("ReduceProd", lead_v, [0], keepdims=True)
             rest_v = e.reduce("ReduceProd", e.Slice(self.shape, k_v, e.ints([_INT64_MAX])), [0], keepdims=True)
-            numbered = e.Reshape(e.Range(e.const(0), e.reshape(rows_v, []), e.const(1)), lead_v)
+            numbered = e.Reshape(e.Range(e.const(0), e.Reshape(rows_v, []), e.const(1)), lead_v)
             rows_rest = e.Concat(rows_v, rest_v, axis=0)
             self.count = rows_v
             self.one_rest = e.Concat(e.ints([1]), rest_v, axis=0)
             per_update = e.Concat(e.ints([-1]), rest_v, axis=0)
-        self.rows = e.reshape(e.GatherND(numbered, idx), [-1])
+        self.rows = e.Reshape(e.GatherND(numbered, idx), [-1])
         self.data = e.Reshape(data, rows_rest)
         self.updates = e.Reshape(upd, per_update)
 
@@ -150,7 +150,7 @@ def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value, 
     wide = e.Cast(e.Gather(updates, order, axis=0), to=int(ir.DataType.DOUBLE))
     sums = e.CumSum(wide, e.const(np.array(0, np.int64)))
     following = e.Concat(e.Slice(sorted_rows, e.ints([1]), e.ints([_INT64_MAX])), e.ints([-1]), axis=0)
-    ends = e.reshape(e.NonZero(e.Not(e.Equal(sorted_rows, following))), [-1])
+    ends = e.Reshape(e.NonZero(e.Not(e.Equal(sorted_rows, following))), [-1])
     at_ends = e.Concat(e.Expand(e.const(np.zeros((1, 1), np.float64)), e.Shape(e.Slice(updates, e.ints([0]), e.ints([1])))),
                        e.Gather(sums, ends, axis=0), axis=0)
     segment = e.Sub(e.Slice(at_ends, e.ints([1]), e.ints([_INT64_MAX])), e.Slice(at_ends, e.ints([0]), e.ints([-1])))
@@ -161,7 +161,7 @@ def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value, 
         table = e.Concat(e.Slice(at_ends, e.ints([0]), e.ints([1])), segment, axis=0)  # a zero row, the sums
         return e.Gather(e.CastLike(table, data), place, axis=0)
     total = e.Add(e.Cast(e.Gather(data, targets, axis=0), to=int(ir.DataType.DOUBLE)), segment)
-    return e.ScatterND(data, e.reshape(targets, [-1, 1]), e.CastLike(total, data))
+    return e.ScatterND(data, e.Reshape(targets, [-1, 1]), e.CastLike(total, data))
 
 
 def _scale_before_gather(ctx, gathered: ir.Value, table: ir.Value, place: ir.Value) -> None:
@@ -203,8 +203,8 @@ def _elements_add(e: Emitter, node: ir.Node) -> ir.Value:
     axis = attr(node, "axis", 0) % rank
     shape = e.Shape(data)
     size = e.reduce("ReduceProd", shape, [0], keepdims=True)
-    numbered = e.Reshape(e.Range(e.const(0), e.reshape(size, []), e.const(1)), shape)
+    numbered = e.Reshape(e.Range(e.const(0), e.Reshape(size, []), e.const(1)), shape)
     positions = e.GatherElements(numbered, idx, axis=axis)  # negative indices counted from the end
-    flat = _segment_sum(e, e.Reshape(data, e.Concat(size, e.ints([1]), axis=0)), e.reshape(positions, [-1]),
-                        e.reshape(upd, [-1, 1]))
+    flat = _segment_sum(e, e.Reshape(data, e.Concat(size, e.ints([1]), axis=0)), e.Reshape(positions, [-1]),
+                        e.Reshape(upd, [-1, 1]))
     return e.Reshape(flat, shape)

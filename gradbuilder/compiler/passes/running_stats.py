@@ -133,7 +133,7 @@ def _unbiased(e, x: ir.Value, var: ir.Value, blended: ir.Value, momentum: float)
     (v the population variance over n values per channel), m*var + (1-m)*v*n/(n-1) =
     blended + (blended - m*var) / (n - 1)."""
     shape = e.Shape(x)
-    n = e.Div(e.reduce("ReduceProd", shape, None, keepdims=False), e.squeeze(e.shape(x, 1, 2), [0]))
+    n = e.Div(e.reduce("ReduceProd", shape, None, keepdims=False), e.Squeeze(e.Shape(x, 1, 2), [0]))
     n = e.CastLike(n, blended)
     batch_part = e.Sub(blended, e.Mul(e.scalar(momentum, var), var))
     return e.Add(blended, e.Div(batch_part, e.Sub(n, e.scalar(1.0, blended))))

@@ -135,7 +135,7 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
                 u, flat([olds[k][0] for k in members]), flat([grads[olds[k][0].name] for k in members]),
                 u.CastLike(lr, w0), u.CastLike(t, w0),
                 {s: flat([u.CastLike(olds[k][1][s], w0) for k in members]) for s in olds[members[0]][1]}, own)
-            parts = {key: u.split(v, len(members), 0, u.ints(sizes)) for key, v in [("w", new), *new_values.items()]}
+            parts = {key: u.split_into(v, len(members), 0, u.ints(sizes)) for key, v in [("w", new), *new_values.items()]}
             for j, k in enumerate(members):
                 shape = u.ints([int(d) for d in olds[k][0].shape])
                 done[k] = (u.Reshape(parts["w"][j], shape),
