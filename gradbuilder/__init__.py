@@ -1,16 +1,11 @@
 """gradbuilder: gradient graphs for ONNX models in standard ONNX operators."""
 
 from importlib import import_module as _import_module
-from importlib import metadata as _metadata
 from typing import TYPE_CHECKING
 
-try:
-    __version__ = _metadata.version("gradbuilder")  # pyproject.toml's version, the one place it is written
-except _metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
-
 # The public names, imported on first use (PEP 562): `import gradbuilder` and the command
-# line's --help and --version do not load onnx, onnxruntime or numpy.
+# line's --help and --version do not load onnx, onnxruntime or numpy. ``__version__`` too is
+# read on first use (importlib.metadata costs more than the rest of `gradbuilder --help`).
 _PUBLIC = {
     "GradientGraphBuilder": ".compiler.builder",
     "TrainingParameters": ".training.params",
@@ -24,14 +19,17 @@ _PUBLIC = {
     "get_version_string": ".runtime.providers",
     "has_collective_ops": ".runtime.providers",
     "register_provider_lib": ".runtime.providers",
-    "Emitter": ".compiler.registry",
+    "Emitter": ".compiler.emitter",
     "register_stop_gradient_edges": ".compiler.registry",
     "register_gradient": (".compiler.registry", "register"),
     "CheckpointError": ".errors",
+    "DistributedError": ".errors",
+    "ExportError": ".errors",
     "GradBuilderError": ".errors",
     "GradientRuleError": ".errors",
     "InvalidArgumentError": ".errors",
     "InvalidModelError": ".errors",
+    "MissingDependencyError": ".errors",
     "ModelLoadError": ".errors",
     "NonFiniteError": ".errors",
     "OutputError": ".errors",
@@ -43,10 +41,13 @@ if TYPE_CHECKING:
     from .compiler.builder import GradientGraphBuilder
     from .errors import (
         CheckpointError,
+        DistributedError,
+        ExportError,
         GradBuilderError,
         GradientRuleError,
         InvalidArgumentError,
         InvalidModelError,
+        MissingDependencyError,
         ModelLoadError,
         NonFiniteError,
         OutputError,
@@ -62,13 +63,25 @@ if TYPE_CHECKING:
         has_collective_ops,
         register_provider_lib,
     )
-    from .compiler.registry import Emitter
+    from .compiler.emitter import Emitter
     from .compiler.registry import register as register_gradient
     from .runtime.session import TrainingIOBinding, TrainingSession
     from .training.graph import TrainingGraphBuilder, state_interface
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gradbuilder")  # pyproject.toml's version, the one place it is written
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str):
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     where = _PUBLIC.get(name)
     if where is None:
         raise AttributeError(f"module 'gradbuilder' has no attribute '{name}'")
@@ -79,7 +92,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted(set(globals()) | set(_PUBLIC) | {"__version__"})
 
 
 def register_gradient_definition(domain: str, op_type: str, rule, since: int = 1) -> None:
@@ -125,4 +138,7 @@ __all__ = [
     "ProviderError",
     "CheckpointError",
     "UnsupportedOpError",
+    "DistributedError",
+    "ExportError",
+    "MissingDependencyError",
 ]

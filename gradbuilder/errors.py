@@ -1,7 +1,9 @@
 """One exception hierarchy for everything gradbuilder refuses to do.
 
 Every message names what was involved (node, op type, domain, opset, value) and what
-the user can do about it.
+the user can do about it. Every gradbuilder exception is defined here and importable from
+``gradbuilder``; the old homes of two (``gradbuilder.compat.MissingDependencyError``,
+``gradbuilder.ortmodule.ExportError``) still name the same classes.
 """
 
 
@@ -49,3 +51,11 @@ class NonFiniteError(GradBuilderError, FloatingPointError):
 class DistributedError(GradBuilderError):
     """Distributed training could not start, or a collective failed: another process died,
     raised, or did not answer within the timeout (the message names the rank)."""
+
+
+class MissingDependencyError(GradBuilderError, ImportError):
+    """An optional package a feature needs is not installed; the message names the extra."""
+
+
+class ExportError(GradBuilderError):
+    """torch's exporter could not turn the module into an ONNX graph we can train."""

@@ -1,5 +1,5 @@
 """Elementwise activations and friends: Tanh Sigmoid Relu LeakyRelu Elu Selu Gelu Erf Softplus
-Softsign HardSigmoid HardSwish Clip Dropout CumSum Trilu.
+Softsign HardSigmoid HardSwish Clip Dropout.
 
 Each rule is ``dx = dy * f'(x)``, written with the forward output ``y`` where that is cheaper
 (``tanh' = 1 - y^2``). Piecewise ops pick their branch with a mask; at a kink the branch
@@ -10,23 +10,7 @@ import math
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, optional_input
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _output(n, i):
-    """Output ``i`` of ``n``, or None when the node does not produce it."""
-    return n.outputs[i] if len(n.outputs) > i and n.outputs[i].name else None
-
-
-def _keep(e, cond, v):
-    """``v`` where ``cond``, else 0."""
-    return e.Where(cond, v, e.scalar(0.0, v))
-
-
-def _c(e, value, like):
-    return e.scalar(value, like=like)
+from gradbuilder.rules.helpers import keep, optional_output, wants
 
 
 # ----------------------------------------------------------------------------- smooth
@@ -36,21 +20,21 @@ def _c(e, value, like):
 def tanh(n, dys, needs, e):
     """dx = dy * (1 - y^2)"""
     (y,) = n.outputs
-    return (e.Mul(dys[0], e.Sub(_c(e, 1.0, y), e.Mul(y, y))),)
+    return (e.Mul(dys[0], e.Sub(e.scalar(1.0, y), e.Mul(y, y))),)
 
 
 @register("Sigmoid")
 def sigmoid(n, dys, needs, e):
     """dx = dy * y * (1 - y)"""
     (y,) = n.outputs
-    return (e.Mul(dys[0], e.Mul(y, e.Sub(_c(e, 1.0, y), y))),)
+    return (e.Mul(dys[0], e.Mul(y, e.Sub(e.scalar(1.0, y), y))),)
 
 
 @register("Erf")
 def erf(n, dys, needs, e):
     """dx = dy * 2/sqrt(pi) * exp(-x^2)"""
     (x,) = n.inputs
-    return (e.Mul(dys[0], e.Mul(_c(e, 2.0 / math.sqrt(math.pi), x), e.Exp(e.Neg(e.Mul(x, x))))),)
+    return (e.Mul(dys[0], e.Mul(e.scalar(2.0 / math.sqrt(math.pi), x), e.Exp(e.Neg(e.Mul(x, x))))),)
 
 
 @register("Softplus")
@@ -64,7 +48,7 @@ def softplus(n, dys, needs, e):
 def softsign(n, dys, needs, e):
     """y = x / (1 + |x|):  dx = dy / (1 + |x|)^2"""
     (x,) = n.inputs
-    d = e.Add(_c(e, 1.0, x), e.Abs(x))
+    d = e.Add(e.scalar(1.0, x), e.Abs(x))
     return (e.Div(dys[0], e.Mul(d, d)),)
 
 
@@ -77,17 +61,17 @@ def gelu(n, dys, needs, e):
     dx = dy * ((1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2)).
     """
     (x,) = n.inputs
-    half, one = _c(e, 0.5, x), _c(e, 1.0, x)
+    half, one = e.scalar(0.5, x), e.scalar(1.0, x)
     x2 = e.Mul(x, x)
     if attr(n, "approximate", "none") == "tanh":
         k, a = math.sqrt(2.0 / math.pi), 0.044715
-        t = e.Tanh(e.Mul(_c(e, k, x), e.Add(x, e.Mul(_c(e, a, x), e.Mul(x2, x)))))
-        du = e.Mul(_c(e, k, x), e.Add(one, e.Mul(_c(e, 3 * a, x), x2)))
+        t = e.Tanh(e.Mul(e.scalar(k, x), e.Add(x, e.Mul(e.scalar(a, x), e.Mul(x2, x)))))
+        du = e.Mul(e.scalar(k, x), e.Add(one, e.Mul(e.scalar(3 * a, x), x2)))
         local = e.Add(e.Mul(half, e.Add(one, t)),
                       e.Mul(e.Mul(half, x), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
     else:
-        cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(x, _c(e, 1.0 / math.sqrt(2.0), x)))))
-        pdf = e.Mul(_c(e, 1.0 / math.sqrt(2.0 * math.pi), x), e.Exp(e.Mul(_c(e, -0.5, x), x2)))
+        cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(x, e.scalar(1.0 / math.sqrt(2.0), x)))))
+        pdf = e.Mul(e.scalar(1.0 / math.sqrt(2.0 * math.pi), x), e.Exp(e.Mul(e.scalar(-0.5, x), x2)))
         local = e.Add(cdf, e.Mul(x, pdf))
     return (e.Mul(dys[0], local),)
 
@@ -111,7 +95,7 @@ def leaky_relu(n, dys, needs, e):
     (x,) = n.inputs
     (dy,) = dys
     alpha = attr(n, "alpha", 0.01)
-    return (e.Where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, alpha, x)), dy),)
+    return (e.Where(e.Less(x, e.scalar(0.0, x)), e.Mul(dy, e.scalar(alpha, x)), dy),)
 
 
 @register("Elu")
@@ -121,7 +105,7 @@ def elu(n, dys, needs, e):
     (y,) = n.outputs
     (dy,) = dys
     alpha = attr(n, "alpha", 1.0)
-    return (e.Where(e.Less(x, _c(e, 0.0, x)), e.Mul(dy, e.Add(y, _c(e, alpha, y))), dy),)
+    return (e.Where(e.Less(x, e.scalar(0.0, x)), e.Mul(dy, e.Add(y, e.scalar(alpha, y))), dy),)
 
 
 @register("Selu")
@@ -133,8 +117,8 @@ def selu(n, dys, needs, e):
     (dy,) = dys
     alpha = attr(n, "alpha", 1.67326319217681884765625)
     gamma = attr(n, "gamma", 1.05070102214813232421875)
-    return (e.Where(e.Greater(x, _c(e, 0.0, x)), e.Mul(dy, _c(e, gamma, x)),
-                   e.Mul(dy, e.Add(y, _c(e, gamma * alpha, y)))),)
+    return (e.Where(e.Greater(x, e.scalar(0.0, x)), e.Mul(dy, e.scalar(gamma, x)),
+                   e.Mul(dy, e.Add(y, e.scalar(gamma * alpha, y)))),)
 
 
 @register("HardSigmoid")
@@ -145,8 +129,8 @@ def hard_sigmoid(n, dys, needs, e):
     """
     (y,) = n.outputs
     alpha = attr(n, "alpha", 0.2)
-    inside = e.And(e.Greater(y, _c(e, 0.0, y)), e.Less(y, _c(e, 1.0, y)))
-    return (_keep(e, inside, e.Mul(dys[0], _c(e, alpha, y))),)
+    inside = e.And(e.Greater(y, e.scalar(0.0, y)), e.Less(y, e.scalar(1.0, y)))
+    return (keep(e, inside, e.Mul(dys[0], e.scalar(alpha, y))),)
 
 
 @register("HardSwish")
@@ -155,9 +139,9 @@ def hard_swish(n, dys, needs, e):
     (the inclusive middle branch is PyTorch's hardswish_backward)."""
     (x,) = n.inputs
     (dy,) = dys
-    middle = e.Mul(dy, e.Add(e.Mul(x, _c(e, 1.0 / 3.0, x)), _c(e, 0.5, x)))
-    upper = e.Where(e.Greater(x, _c(e, 3.0, x)), dy, middle)
-    return (_keep(e, e.Not(e.Less(x, _c(e, -3.0, x))), upper),)
+    middle = e.Mul(dy, e.Add(e.Mul(x, e.scalar(1.0 / 3.0, x)), e.scalar(0.5, x)))
+    upper = e.Where(e.Greater(x, e.scalar(3.0, x)), dy, middle)
+    return (keep(e, e.Not(e.Less(x, e.scalar(-3.0, x))), upper),)
 
 
 @register("Clip", since=13)
@@ -175,13 +159,13 @@ def clip(n, dys, needs, e):
     dx, dlo, dhi = dy, None, None
     if needs[0] and (below is not None or above is not None):
         outside = above if below is None else below if above is None else e.Or(below, above)
-        dx = _keep(e, e.Not(outside), dy)
-    if lo is not None and needs[1]:
+        dx = keep(e, e.Not(outside), dy)
+    if wants(needs, 1):
         lo_wins = below if hi is None else e.And(below, e.Less(lo, hi))
-        dlo = e.unbroadcast(_keep(e, lo_wins, dy), lo)
-    if hi is not None and needs[2]:
+        dlo = e.unbroadcast(keep(e, lo_wins, dy), lo)
+    if wants(needs, 2):
         hi_wins = above if lo is None else e.Or(above, e.Less(hi, lo))
-        dhi = e.unbroadcast(_keep(e, hi_wins, dy), hi)
+        dhi = e.unbroadcast(keep(e, hi_wins, dy), hi)
     return [dx, dlo, dhi][: len(n.inputs)]
 
 
@@ -204,7 +188,7 @@ def dropout(n, dys, needs, e):
     if dy is None:
         return (None,)
     train_c = None if training is None else constant_of(training)
-    ratio_wanted = len(needs) > 1 and needs[1]  # a trained ratio is not a constant
+    ratio_wanted = wants(needs, 1)  # a trained ratio is not a constant
     ratio_c = 0.5 if ratio is None else None if ratio_wanted else constant_of(ratio)
     if training is None or (train_c is not None and not bool(train_c)):
         return (dy,)
@@ -212,45 +196,25 @@ def dropout(n, dys, needs, e):
         return (dy,)
     dratio = None
     if ratio_wanted:
-        per = e.Div(e.Mul(dy, y), e.Sub(_c(e, 1.0, y), e.CastLike(ratio, y)))
+        per = e.Div(e.Mul(dy, y), e.Sub(e.scalar(1.0, y), e.CastLike(ratio, y)))
         if train_c is None:
-            per = e.Where(training, per, _c(e, 0.0, y))
+            per = e.Where(training, per, e.scalar(0.0, y))
         dratio = e.CastLike(e.reduce("ReduceSum", per, None, keepdims=False), ratio)
     return (_dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c), dratio)
 
 
 def _dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c):
     if ratio_c is not None:
-        scale = _c(e, 1.0 / (1.0 - float(ratio_c)), x)
+        scale = e.scalar(1.0 / (1.0 - float(ratio_c)), x)
     else:
         r = e.CastLike(ratio, x)
-        scale = e.Div(_c(e, 1.0, x), e.Sub(_c(e, 1.0, x), r))
+        scale = e.Div(e.scalar(1.0, x), e.Sub(e.scalar(1.0, x), r))
     if train_c is None:
-        scale = e.Where(training, scale, _c(e, 1.0, x))
+        scale = e.Where(training, scale, e.scalar(1.0, x))
     scaled = e.Mul(dy, scale)
-    mask = _output(n, 1)
+    mask = optional_output(n, 1)
     if mask is not None:
-        return _keep(e, mask, scaled)
-    zero = _c(e, 0.0, x)
-    kept = _keep(e, e.Not(e.Equal(y, zero)), scaled)
+        return keep(e, mask, scaled)
+    zero = e.scalar(0.0, x)
+    kept = keep(e, e.Not(e.Equal(y, zero)), scaled)
     return e.Where(e.Equal(x, zero), dy, kept)
-
-
-# ----------------------------------------------------------------------------- linear
-
-
-@register("CumSum")
-def cumsum(n, dys, needs, e):
-    """Linear; its adjoint is the cumulative sum in the other direction:
-    dx = CumSum(dy, axis, exclusive, reverse = not reverse)."""
-    axis = n.inputs[1]
-    return (e.CumSum(dys[0], axis, exclusive=attr(n, "exclusive", 0), reverse=1 - attr(n, "reverse", 0)),)
-
-
-@register("Trilu")
-def trilu(n, dys, needs, e):
-    """A 0/1 mask on the last two axes, its own adjoint: dx = Trilu(dy, k, upper)."""
-    k = optional_input(n, 1)
-    extra = [k] if k is not None else []
-    return (e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)),)
-

@@ -43,20 +43,8 @@ from gradbuilder.compiler.autodiff import captures, walk
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of, optional_input
-from gradbuilder.rules.sizes import (
-    INT64_MAX,
-    Dims,
-    accumulation_type,
-    as_int64,
-    cast_to,
-    iadd,
-    isub,
-    reshape_like,
-    scalar_of,
-    stack,
-    vec,
-    zeros,
-)
+from gradbuilder.rules.helpers import accumulation_type, cast_to, compute_type, wants
+from gradbuilder.rules.sizes import INT64_MAX, Dims, as_int64, iadd, isub, reshape_like, scalar_of, stack, vec, zeros
 
 
 def _add(e, *parts):
@@ -265,7 +253,7 @@ def attention(n, dys, needs, e):
     tanh = e.Tanh(e.Div(r, e.scalar(cap, like=q))) if cap > 0 and needs_r else None
 
     d_vr = dp = None
-    mask_grad = mask is not None and needs[3]
+    mask_grad = wants(needs, 3)
     bias, mask_len = _bias(e, n, lay, q) if needs_p or (mask_grad and mode_grad[2] is not None) else (None, None)
     if needs_p:
         c = e.Mul(tanh, e.scalar(cap, like=q)) if tanh is not None else r
@@ -288,7 +276,7 @@ def attention(n, dys, needs, e):
     dq4 = d_kr = None
     if dr is not None:
         dq4 = e.Mul(e.MatMul(dr, ks), root) if needs[0] else None
-        d_kr = e.Mul(e.MatMul(_t(e, dr), qs), root) if needs[1] or (len(needs) > 4 and needs[4]) else None
+        d_kr = e.Mul(e.MatMul(_t(e, dr), qs), root) if needs[1] or wants(needs, 4) else None
     d_past_k, dk4 = lay.split_past(e, _add(e, _sum_groups(e, d_kr, lay.group, lay.present_k), d_present_k))
     d_past_v, dv4 = lay.split_past(e, _add(e, _sum_groups(e, d_vr, lay.group, lay.present_v), d_present_v))
 
@@ -422,7 +410,7 @@ def _through_modifier(e, nodes, x, out, dout, captured):
     walking back through the copied modifier ``nodes``."""
     if not nodes:
         return {x: dout} if out is x else {}
-    return walk(nodes, [x, *captured], {out: dout}, e.opset, e.child(e.graph))
+    return walk(nodes, [x, *captured], {out: dout}, e.child(e.graph))
 
 
 def _softmax_type(n, q):
@@ -431,9 +419,7 @@ def _softmax_type(n, q):
     precision = attr(n, "softmax_precision")
     if precision is not None:
         return ir.DataType(int(precision))
-    if q.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-        return ir.DataType.FLOAT
-    return q.dtype
+    return compute_type(q)
 
 
 def _flex_scale_root(e, n, q):

@@ -33,8 +33,9 @@ from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of, optional_input
 from gradbuilder.rules.linalg import matmul
-from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
-from gradbuilder.rules.sizes import cast_to, static_dims
+from gradbuilder.rules.helpers import cast_to, compute_type, first_typed, wants
+from gradbuilder.rules.norm_stats import Moments, trailing_axes
+from gradbuilder.rules.sizes import static_dims
 
 MS = "com.microsoft"
 
@@ -45,16 +46,6 @@ MS = "com.microsoft"
 def _padded(dys, count):
     """The output gradients as a list of ``count`` entries (None for absent outputs)."""
     return (list(dys) + [None] * count)[:count]
-
-
-def _like(*values):
-    """The first value whose dtype is known (constants take its dtype), else the first value."""
-    known = [v for v in values if v is not None and v.dtype is not None]
-    return known[0] if known else next(v for v in values if v is not None)
-
-
-def _c(e, value, *like):
-    return e.scalar(value, like=_like(*like))
 
 
 def _sum_to(e, g, like):
@@ -75,9 +66,9 @@ def _sum_to(e, g, like):
 def _gelu_slope(e, u):
     """d/du of u Phi(u) = Phi(u) + u phi(u), Phi(u) = (1 + erf(u/sqrt 2))/2,
     phi(u) = exp(-u^2/2)/sqrt(2 pi)."""
-    half, one = _c(e, 0.5, u), _c(e, 1.0, u)
-    cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(u, _c(e, 1.0 / math.sqrt(2.0), u)))))
-    pdf = e.Mul(_c(e, 1.0 / math.sqrt(2.0 * math.pi), u), e.Exp(e.Mul(_c(e, -0.5, u), e.Mul(u, u))))
+    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
+    cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(u, e.scalar(1.0 / math.sqrt(2.0), u)))))
+    pdf = e.Mul(e.scalar(1.0 / math.sqrt(2.0 * math.pi), u), e.Exp(e.Mul(e.scalar(-0.5, u), e.Mul(u, u))))
     return e.Add(cdf, e.Mul(u, pdf))
 
 
@@ -85,10 +76,10 @@ def _gelu_tanh_slope(e, u):
     """d/du of u (1 + t)/2 with t = tanh(k (u + a u^3)), k = sqrt(2/pi), a = 0.044715:
     (1 + t)/2 + u/2 (1 - t^2) k (1 + 3 a u^2)."""
     k, a = math.sqrt(2.0 / math.pi), 0.044715
-    half, one = _c(e, 0.5, u), _c(e, 1.0, u)
+    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
     u2 = e.Mul(u, u)
-    t = e.Tanh(e.Mul(_c(e, k, u), e.Add(u, e.Mul(_c(e, a, u), e.Mul(u2, u)))))
-    du = e.Mul(_c(e, k, u), e.Add(one, e.Mul(_c(e, 3 * a, u), u2)))
+    t = e.Tanh(e.Mul(e.scalar(k, u), e.Add(u, e.Mul(e.scalar(a, u), e.Mul(u2, u)))))
+    du = e.Mul(e.scalar(k, u), e.Add(one, e.Mul(e.scalar(3 * a, u), u2)))
     return e.Add(e.Mul(half, e.Add(one, t)), e.Mul(e.Mul(half, u), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
 
 
@@ -98,7 +89,7 @@ def _biased(n, dys, needs, e, slope):
     x, bias = n.inputs[0], optional_input(n, 1)
     u = x if bias is None else e.Add(x, bias)
     dx = e.Mul(dys[0], slope(e, u))
-    grads = [dx if needs[0] else None, _sum_to(e, dx, bias) if bias is not None and needs[1] else None]
+    grads = [dx if needs[0] else None, _sum_to(e, dx, bias) if wants(needs, 1) else None]
     return grads[: len(n.inputs)]
 
 
@@ -127,9 +118,9 @@ def quick_gelu(n, dys, needs, e):
     """y = x sigmoid(alpha x) (alpha = 1.702 by default):
     dx = dy * s (1 + alpha x (1 - s)), s = sigmoid(alpha x)."""
     (x,) = n.inputs
-    alpha = _c(e, float(attr(n, "alpha", 1.702)), x)
+    alpha = e.scalar(float(attr(n, "alpha", 1.702)), x)
     s = e.Sigmoid(e.Mul(alpha, x))
-    local = e.Mul(s, e.Add(_c(e, 1.0, x), e.Mul(e.Mul(alpha, x), e.Sub(_c(e, 1.0, x), s))))
+    local = e.Mul(s, e.Add(e.scalar(1.0, x), e.Mul(e.Mul(alpha, x), e.Sub(e.scalar(1.0, x), s))))
     return [e.Mul(dys[0], local)]
 
 
@@ -186,7 +177,7 @@ def fused_matmul(n, dys, needs, e):
     alpha = float(attr(n, "alpha", 1.0))
     ta, tba = attr(n, "transA", 0), attr(n, "transBatchA", 0)
     b2, pb = _operand(e, b, attr(n, "transB", 0), attr(n, "transBatchB", 0), "B")
-    dy = dys[0] if alpha == 1.0 else e.Mul(dys[0], _c(e, alpha, dys[0], a, b))
+    dy = dys[0] if alpha == 1.0 else e.Mul(dys[0], e.scalar(alpha, first_typed(dys[0], a, b)))
     if dims_of(a) is None:
         if ta or tba or len(dims_of(b2)) != 2:
             raise _unknown_rank("A", a)

@@ -20,6 +20,8 @@ further states, and gradients of Scan's scan inputs leave as its scan outputs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
@@ -27,6 +29,7 @@ from gradbuilder.compiler.autodiff import is_float, node_inputs, walk
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import TRIPS, register
 from gradbuilder.compiler.values import attr
+from gradbuilder.rules.helpers import rank_of
 
 
 def _clone(graph: ir.Graph, e, suffix: str) -> ir.Graph:
@@ -74,12 +77,6 @@ def _input_like(like: ir.Value, name: str, shape: ir.Shape | None = None) -> ir.
                     shape=shape if shape is not None else like.shape)
 
 
-def _rank(*values) -> int | None:
-    """The rank of the first of ``values`` whose rank is known (a loop-carried value keeps
-    the rank of its initial value)."""
-    return next((len(v.shape) for v in values if v is not None and v.shape is not None), None)
-
-
 def _declared(like: ir.Value, rank: int | None) -> ir.Shape:
     """The shape a backward Scan body output is declared with: onnxruntime's Scan needs a
     rank for every body output. ``like``'s shape, else ``rank`` unknown sizes, else one axis
@@ -103,7 +100,7 @@ def _backward_branch(branch, wanted, dys, e):
     seeds: dict = {}
     for out, dy in zip(g.outputs, dys):
         _seed(seeds, out, dy, sub)
-    grads = walk(g, wanted, seeds, sub.opset, sub)
+    grads = walk(g, wanted, seeds, sub)
     _as_outputs(g, [_or_zeros(grads, v, sub) for v in wanted], wanted, sub)
     return g
 
@@ -128,88 +125,115 @@ def if_(n, dys, needs, e):
 # ----------------------------------------------------------------------------- Loop, Scan
 
 
-def _reverse_scan(n, e, at, *, carried, feeds, scan_seeds, slice_grads, outer):
+class Carried(NamedTuple):
+    """A float loop-carried value: its gradient is a state of the backward Scan."""
+
+    inside: ir.Value  # the body input
+    out: ir.Value  # the body output
+    init: ir.Value  # the outer initial value
+    d_final: ir.Value | None  # the gradient of the loop's final value
+
+
+class Stacked(NamedTuple):
+    """A value the backward Scan reads one slice per iteration: a feed (body input ``index``,
+    the outer stacked value: the trips, Scan's scan inputs) or a scan seed (body output
+    ``index``, the gradient of the outer stacked output)."""
+
+    index: int
+    value: ir.Value | None
+    axis: int
+    direction: int
+
+
+class Sliced(NamedTuple):
+    """A scan input (body input ``index``) whose gradient leaves as a scan output."""
+
+    index: int
+    axis: int
+    direction: int
+
+
+def _reverse_scan(n, e, at, *, carried: list[Carried], feeds: list[Stacked], scan_seeds: list[Stacked],
+                  slice_grads: list[Sliced], outer: list[ir.Value]):
     """The backward Scan of a loop node ``n`` whose body is ``n.attributes['body']``.
 
-    carried:     [(body input, body output, outer initial value, d final value or None)]
-                 float loop-carried values: their gradients are the backward states
-    feeds:       [(body input index, outer stacked value, axis, direction)] fed per iteration
-                 in reverse (the trips, and Scan's scan inputs)
-    scan_seeds:  [(body output index, d outer stacked output, axis, direction)]
-    slice_grads: [(body input index, axis, direction)] whose gradients leave as scan outputs
+    carried:     the float loop-carried values: their gradients are the backward states
+    feeds:       values fed per iteration in reverse (the trips, and Scan's scan inputs)
+    scan_seeds:  the gradients of the stacked (scan) outputs
+    slice_grads: the scan inputs whose gradients leave as scan outputs
     outer:       outer values the body reads whose gradients are summed
     The Scan is emitted with the emitter ``at``. Returns (d initial carried values,
     d scan inputs, d outer values).
     """
     body = n.attributes["body"].value
     index = {v: i for i, v in enumerate(body.inputs)}
-    fed = {i for i, _, _, _ in feeds}
+    fed = {f.index for f in feeds}
     # A carried value, outer value or scan input of unknown rank travels through the
     # backward Scan flattened to one axis, and takes its shape back after it.
-    state_ranks = [_rank(in_, out, init) for in_, out, init, _ in carried]
-    outer_ranks = [_rank(v) for v in outer]
-    slice_ranks = [_rank(body.inputs[i]) if body.inputs[i].shape is not None
-                   else (r - 1 if (r := _rank(n.inputs[i])) is not None else None) for i, _, _ in slice_grads]
-    for (i, axis, _), r in zip(slice_grads, slice_ranks):
-        if r is None and axis != 0:
+    state_ranks = [rank_of(c.inside, c.out, c.init) for c in carried]
+    outer_ranks = [rank_of(v) for v in outer]
+    slice_ranks = [rank_of(body.inputs[s.index]) if body.inputs[s.index].shape is not None
+                   else (r - 1 if (r := rank_of(n.inputs[s.index])) is not None else None) for s in slice_grads]
+    for s, r in zip(slice_grads, slice_ranks):
+        if r is None and s.axis != 0:
             raise GradientRuleError(
-                f"the rank of scan input '{n.inputs[i].name}' is unknown and it is scanned along axis {axis}; "
-                "declare its shape (at least its rank) in the model")
+                f"the rank of scan input '{n.inputs[s.index].name}' is unknown and it is scanned along axis "
+                f"{s.axis}; declare its shape (at least its rank) in the model")
 
     g = _clone(body, e, "bw")
     sub = e.child(g)
-    d_states = [_input_like(in_, e.unique(f"{in_.name}_dstate"), _declared(in_, r))
-                for (in_, _, _, _), r in zip(carried, state_ranks)]
+    d_states = [_input_like(c.inside, e.unique(f"{c.inside.name}_dstate"), _declared(c.inside, r))
+                for c, r in zip(carried, state_ranks)]
     d_outer = [_input_like(v, e.unique(f"{v.name}_dsum"), _declared(v, r)) for v, r in zip(outer, outer_ranks)]
-    fed_inputs = [g.inputs[i] for i, _, _, _ in feeds]
-    d_slices = [_input_like(body.outputs[i], e.unique(f"{body.outputs[i].name}_dslice"))
-                for i, _, _, _ in scan_seeds]
+    fed_inputs = [g.inputs[f.index] for f in feeds]
+    d_slices = [_input_like(body.outputs[s.index], e.unique(f"{body.outputs[s.index].name}_dslice"))
+                for s in scan_seeds]
 
     seeds: dict = {}
-    for (_, out, _, _), d, r in zip(carried, d_states, state_ranks):
-        target = g.outputs[body.outputs.index(out)]
+    for c, d, r in zip(carried, d_states, state_ranks):
+        target = g.outputs[body.outputs.index(c.out)]
         _seed(seeds, target, d if r is not None else sub.Reshape(d, sub.Shape(target)), sub)
-    for (i, _, _, _), d in zip(scan_seeds, d_slices):
-        _seed(seeds, g.outputs[i], d, sub)
-    wanted = [g.inputs[index[in_]] for in_, _, _, _ in carried]
-    wanted += [g.inputs[i] for i, _, _ in slice_grads] + list(outer)
-    grads = walk(g, list(dict.fromkeys(wanted)), seeds, sub.opset, sub)
+    for s, d in zip(scan_seeds, d_slices):
+        _seed(seeds, g.outputs[s.index], d, sub)
+    wanted = [g.inputs[index[c.inside]] for c in carried]
+    wanted += [g.inputs[s.index] for s in slice_grads] + list(outer)
+    grads = walk(g, list(dict.fromkeys(wanted)), seeds, sub)
 
     def flat_unless(v, rank):
         return v if rank is not None else _flat(sub, v)
 
     new_states = []
-    for (in_, out, _, _), r in zip(carried, state_ranks):
-        v = g.inputs[index[in_]]
+    for c, r in zip(carried, state_ranks):
+        v = g.inputs[index[c.inside]]
         # a carried value the body never reads is not fed: its zeros take the body output's shape
-        grad = grads[v] if v in grads else sub.zeros_like(v if index[in_] in fed else
-                                                            g.outputs[body.outputs.index(out)])
+        grad = grads[v] if v in grads else sub.zeros_like(v if index[c.inside] in fed else
+                                                            g.outputs[body.outputs.index(c.out)])
         new_states.append(flat_unless(grad, r))
     new_sums = [sub.Add(s, flat_unless(grads[v], r)) if v in grads else s
                 for s, v, r in zip(d_outer, outer, outer_ranks)]
-    slices = [flat_unless(_or_zeros(grads, g.inputs[i], sub), r) for (i, _, _), r in zip(slice_grads, slice_ranks)]
+    slices = [flat_unless(_or_zeros(grads, g.inputs[s.index], sub), r) for s, r in zip(slice_grads, slice_ranks)]
     g.inputs.clear()
     g.inputs.extend(d_states + d_outer + fed_inputs + d_slices)
-    likes = [in_ for in_, _, _, _ in carried] + list(outer) + [body.inputs[i] for i, _, _ in slice_grads]
+    likes = [c.inside for c in carried] + list(outer) + [body.inputs[s.index] for s in slice_grads]
     ranks = state_ranks + outer_ranks + slice_ranks
     _as_outputs(g, new_states + new_sums + slices, likes, sub, [_declared(v, r) for v, r in zip(likes, ranks)])
 
     init_states, init_sums = _initial_states(at, carried, outer)
     init_states = [v if r is not None else _flat(at, v) for v, r in zip(init_states, state_ranks)]
     init_sums = [v if r is not None else _flat(at, v) for v, r in zip(init_sums, outer_ranks)]
-    scanned = [(v, axis, 1 - d) for _, v, axis, d in feeds] + [(v, axis, 1 - d) for _, v, axis, d in scan_seeds]
+    scanned = feeds + scan_seeds  # read in reverse
     outs = at.op(
-        "Scan", *init_states, *init_sums, *[v for v, _, _ in scanned],
+        "Scan", *init_states, *init_sums, *[s.value for s in scanned],
         outputs=len(carried) + len(outer) + len(slice_grads),
         body=g,
         num_scan_inputs=len(scanned),
-        scan_input_axes=[a for _, a, _ in scanned],
-        scan_input_directions=[d for _, _, d in scanned],
-        scan_output_axes=[a for _, a, _ in slice_grads] or None,
-        scan_output_directions=[1 - d for _, _, d in slice_grads] or None,
+        scan_input_axes=[s.axis for s in scanned],
+        scan_input_directions=[1 - s.direction for s in scanned],
+        scan_output_axes=[s.axis for s in slice_grads] or None,
+        scan_output_directions=[1 - s.direction for s in slice_grads] or None,
     )
     outs = list(outs) if isinstance(outs, tuple) else [outs]
-    outer_likes = [init for _, _, init, _ in carried] + list(outer) + [n.inputs[i] for i, _, _ in slice_grads]
+    outer_likes = [c.init for c in carried] + list(outer) + [n.inputs[s.index] for s in slice_grads]
     for k, (like, r) in enumerate(zip(outer_likes, ranks)):
         if r is None:  # back to the shape of the value it is the gradient of
             outs[k] = at.Reshape(outs[k], at.Shape(like))
@@ -220,7 +244,7 @@ def _reverse_scan(n, e, at, *, carried, feeds, scan_seeds, slice_grads, outer):
 
 def _initial_states(e, carried, outer):
     """The backward states before the last forward iteration: d final values, zero sums."""
-    return ([dy if dy is not None else e.zeros_like(init) for _, _, init, dy in carried],
+    return ([c.d_final if c.d_final is not None else e.zeros_like(c.init) for c in carried],
             [e.zeros_like(v) for v in outer])
 
 
@@ -261,10 +285,10 @@ def loop(n, dys, needs, e):
     n_carried = len(body.inputs) - 2
     n_scan = len(body.outputs) - 1 - n_carried - len(trips)
     first_trip = n_carried + n_scan
-    carried = [(body.inputs[2 + k], body.outputs[1 + k], n.inputs[2 + k], dys[k])
+    carried = [Carried(body.inputs[2 + k], body.outputs[1 + k], n.inputs[2 + k], dys[k])
                for k in range(n_carried) if is_float(body.inputs[2 + k])]
-    feeds = [(i, n.outputs[first_trip + k], 0, 0) for k, i in enumerate(trips)]
-    scan_seeds = [(1 + n_carried + k, dys[n_carried + k], 0, 0) for k in range(n_scan)
+    feeds = [Stacked(i, n.outputs[first_trip + k], 0, 0) for k, i in enumerate(trips)]
+    scan_seeds = [Stacked(1 + n_carried + k, dys[n_carried + k], 0, 0) for k in range(n_scan)
                   if dys[n_carried + k] is not None]
     outer = _outer_wanted(n, needs)
 
@@ -277,10 +301,10 @@ def loop(n, dys, needs, e):
         init_states, init_sums = _initial_states(at, carried, outer)
         return init_states + init_sums
 
-    likes = [init for _, _, init, _ in carried] + outer
+    likes = [c.init for c in carried] + outer
     outs = _if_any_trip(e, n.outputs[first_trip], ran, skipped, likes)
     d_carried, d_outer = outs[:len(carried)], outs[len(carried):]
-    by_input = {list(body.inputs).index(in_): d for (in_, _, _, _), d in zip(carried, d_carried)}
+    by_input = {list(body.inputs).index(c.inside): d for c, d in zip(carried, d_carried)}
     return _with_outer(n, needs, by_input, outer, d_outer)
 
 
@@ -298,17 +322,17 @@ def scan(n, dys, needs, e):
     out_axes = list(attr(n, "scan_output_axes", [0] * (n_scan + len(trips))))
     out_dirs = list(attr(n, "scan_output_directions", [0] * (n_scan + len(trips))))
     first_trip = n_states + n_scan
-    carried = [(body.inputs[k], body.outputs[k], n.inputs[k], dys[k])
+    carried = [Carried(body.inputs[k], body.outputs[k], n.inputs[k], dys[k])
                for k in range(n_states) if is_float(body.inputs[k])]
-    feeds = [(i, n.outputs[first_trip + k], 0, 0) for k, i in enumerate(trips)]
-    feeds += [(n_states + j, n.inputs[n_states + j], in_axes[j], in_dirs[j]) for j in range(m)]
-    scan_seeds = [(n_states + k, dys[n_states + k], out_axes[k], out_dirs[k]) for k in range(n_scan)
+    feeds = [Stacked(i, n.outputs[first_trip + k], 0, 0) for k, i in enumerate(trips)]
+    feeds += [Stacked(n_states + j, n.inputs[n_states + j], in_axes[j], in_dirs[j]) for j in range(m)]
+    scan_seeds = [Stacked(n_states + k, dys[n_states + k], out_axes[k], out_dirs[k]) for k in range(n_scan)
                   if dys[n_states + k] is not None]
     wanted_slices = [j for j in range(m) if needs[n_states + j]]
-    slice_grads = [(n_states + j, in_axes[j], in_dirs[j]) for j in wanted_slices]
+    slice_grads = [Sliced(n_states + j, in_axes[j], in_dirs[j]) for j in wanted_slices]
     outer = _outer_wanted(n, needs)
     d_carried, d_slices, d_outer = _reverse_scan(n, e, e, carried=carried, feeds=feeds, scan_seeds=scan_seeds,
                                                  slice_grads=slice_grads, outer=outer)
-    by_input = {list(body.inputs).index(in_): d for (in_, _, _, _), d in zip(carried, d_carried)}
+    by_input = {list(body.inputs).index(c.inside): d for c, d in zip(carried, d_carried)}
     by_input.update({n_states + j: d for j, d in zip(wanted_slices, d_slices)})
     return _with_outer(n, needs, by_input, outer, d_outer)

@@ -7,7 +7,7 @@ convolutions, followed or preceded by ``fit``, which cuts a given range out of a
 fills what lies outside it with zeros. With static shapes ``fit`` folds into the ``pads`` /
 ``output_padding`` attributes; with dynamic ones it becomes Slice/Pad on Shape arithmetic.
 The window geometry (``window_axes``, ``fit``, ``conv_fitted``, ...) is
-:mod:`gradbuilder.rules.windows`, shared with ``pooling.py``, ``misc_norm.py`` and ``roi.py``;
+:mod:`gradbuilder.rules.windows`, shared with ``pooling.py`` (the Lp pools too) and ``roi.py``;
 the size arithmetic :mod:`gradbuilder.rules.sizes`.
 
 DeformConv reads X bilinearly at offset positions: its gradient is written on the im2col
@@ -22,6 +22,7 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of
+from gradbuilder.rules.helpers import cast_to, compute_type, wants
 from gradbuilder.rules.sizes import (
     arange,
     dim,
@@ -114,7 +115,7 @@ def conv(n, dys, needs, e):
         g = conv_fitted(e, xt, swap01(e, dy, r + 2), [isub(e, 0, a.begin) for a in axes],
                         [a.frame for a in axes], dilations, strides, group)
         dw = swap01(e, g, r + 2)
-    if len(n.inputs) > 2 and n.inputs[2] is not None and needs[2]:
+    if wants(needs, 2):
         db = bias_grad(e, dy, r + 2)
     return [dx, dw, db][: len(n.inputs)]
 
@@ -242,7 +243,7 @@ def conv_transpose(n, dys, needs, e):
         g = conv_fitted(e, dyt, swap01(e, x, r + 2), [isub(e, 0, b) for b in begins], frames,
                         dilations, strides, group)
         dw = swap01(e, g, r + 2)
-    if len(n.inputs) > 2 and n.inputs[2] is not None and needs[2]:
+    if wants(needs, 2):
         db = bias_grad(e, dy, r + 2)
     return [dx, dw, db][: len(n.inputs)]
 
@@ -284,8 +285,7 @@ def deform_conv(n, dys, needs, e):
     k = imul(e, kh, kw)
     o = imul(e, oh, ow)
     hw = imul(e, h, wd)
-    if dy.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):  # positions and sums in float32
-        dy = e.Cast(dy, to=int(ir.DataType.FLOAT))
+    dy = cast_to(e, dy, compute_type(dy))  # positions and sums in float32 for 16-bit floats
     like = dy
     f = lambda v: e.scalar(float(v), like)  # noqa: E731
     xx = e.CastLike(x, like)
@@ -355,11 +355,11 @@ def deform_conv(n, dys, needs, e):
         g = e.reduce("ReduceSum", e.MatMul(dy_g, e.Transpose(to_groups(cols_nl), perm=[0, 1, 3, 2])), [0],
                      keepdims=False)
         dw = e.CastLike(e.Reshape(g, e.Shape(w)), w)
-    if len(n.inputs) > 3 and b is not None and needs[3]:
+    if wants(needs, 3):
         db = e.CastLike(bias_grad(e, dy, 4), b)
-    if needs[0] or needs[2] or (mask is not None and len(n.inputs) > 4 and needs[4]):
+    if needs[0] or needs[2] or wants(needs, 4):
         dcols = from_groups(e.MatMul(e.Transpose(w_g, perm=[0, 2, 1]), dy_g))  # (N, og, L, C/og)
-        if mask is not None and needs[4]:
+        if wants(needs, 4):
             dm = e.reduce("ReduceSum", e.Mul(dcols, sampled), [3], keepdims=False)  # (N, og, L)
             dmask = e.CastLike(e.Reshape(dm, e.Shape(mask)), mask)
         ds = e.Mul(dcols, mk) if mk is not None else dcols

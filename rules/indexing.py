@@ -14,11 +14,10 @@ import numpy as np
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input
+from gradbuilder.rules.helpers import accumulation_type, cast_to
 from gradbuilder.rules.sizes import (
     Dims,
-    accumulation_type,
     as_int64,
-    cast_to,
     iadd,
     iclamp,
     imax,
@@ -133,7 +132,7 @@ def _wrapped_indices(e, idx, depth):
     return e.Where(e.Less(v, e.ints([0])), e.Add(v, size), v), None
 
 
-def _segment_sum(e, g, pos, batch, depth, rest, unique, like):
+def segment_sum(e, g, pos, batch, depth, rest, unique, like):
     """out[b, d, r] = sum of g[b, k, r] over the k with pos[b, k] = d.
 
     g is [batch, K, rest]; pos is [1 or batch, K] with entries in [0, depth). ScatterND
@@ -183,7 +182,7 @@ def gather(n, dys, needs, e):
     unique = known is not None and np.unique(known).size == known.size
     outer, inner = dims.prod(0, axis), dims.prod(iadd(e, axis, 1))
     g = e.Reshape(dy, stack(e, [outer, -1, inner]))
-    out = _segment_sum(e, g, e.Reshape(pos, [1, -1]), outer, depth, inner, unique, x)
+    out = segment_sum(e, g, e.Reshape(pos, [1, -1]), outer, depth, inner, unique, x)
     return (reshape_like(e, out, x),)
 
 
@@ -215,7 +214,7 @@ def gather_nd(n, dys, needs, e):
         unique = False
     batch, depth, rest = dims.prod(0, batch_dims), dims.prod(batch_dims, batch_dims + m), dims.prod(batch_dims + m)
     g = e.Reshape(dy, stack(e, [batch, -1, rest]))
-    out = _segment_sum(e, g, e.Reshape(pos, stack(e, [batch, -1])), batch, depth, rest, unique, x)
+    out = segment_sum(e, g, e.Reshape(pos, stack(e, [batch, -1])), batch, depth, rest, unique, x)
     return (reshape_like(e, out, x),)
 
 

@@ -1,8 +1,8 @@
-"""Linear algebra: MatMul, Gemm, Einsum.
+"""Linear algebra: MatMul, Gemm, Einsum, Trilu.
 
 Every gradient is again a product of ``dy`` with the other operands; axes that broadcasting
 added are summed away (``e.unbroadcast``) and axes that were summed out of one operand only
-are broadcast back (``Expand``).
+are broadcast back (``Expand``). Trilu, a 0/1 mask on the last two axes, is its own adjoint.
 """
 
 from __future__ import annotations
@@ -15,15 +15,9 @@ import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
-from gradbuilder.compiler.values import attr, broadcast_dims, constant_of, dims_of, unknown_rank
+from gradbuilder.compiler.values import attr, broadcast_dims, constant_of, dims_of, optional_input
+from gradbuilder.rules.helpers import rank_of, wants
 from gradbuilder.rules.sizes import INT64_MAX, iadd, isub, reshape_like, vec
-
-
-def _rank(v, op):
-    dims = dims_of(v)
-    if dims is None:
-        raise unknown_rank(v, op)
-    return len(dims)
 
 
 def _swap_last(e, v, rank):
@@ -169,7 +163,7 @@ def gemm(n, dys, needs, e):
             db = e.Gemm(a, dy, alpha=alpha, transA=1 - ta)
         else:
             db = e.Gemm(dy, a, alpha=alpha, transA=1, transB=ta)
-    if c is not None and len(needs) > 2 and needs[2]:
+    if wants(needs, 2):
         g = dy if beta == 1.0 else e.Mul(dy, e.scalar(beta, dy))
         dc = e.unbroadcast(g, c)
     return [da, db, dc][: len(n.inputs)]
@@ -294,7 +288,7 @@ def _einsum(e, pairs, labels):
 
 def _einsum_grad(e, n, dy, i, terms, out, fresh):
     x, term = n.inputs[i], terms[i]
-    rank = _rank(x, "Einsum") if _ELL in term else len(term)
+    rank = rank_of(x, op="Einsum") if _ELL in term else len(term)
     others = [(v, t) for j, (v, t) in enumerate(zip(n.inputs, terms)) if j != i]
     available = set(out).union(*[set(t) for _, t in others])
 
@@ -307,7 +301,7 @@ def _einsum_grad(e, n, dy, i, terms, out, fresh):
         # x has no ellipsis but the others do. onnxruntime wants an ellipsis in the output
         # whenever an input has one, so keep those axes in front and sum them here.
         v, t = next((v, t) for v, t in pairs if _ELL in t)
-        n_ell = _rank(v, "Einsum") - (len(t) - 1)
+        n_ell = rank_of(v, op="Einsum") - (len(t) - 1)
         g = _einsum(e, pairs, [_ELL] + kept)
         if n_ell:
             g = e.reduce("ReduceSum", g, list(range(n_ell)), keepdims=False)
@@ -354,3 +348,14 @@ def _maybe_smaller(g, target) -> bool:
     if gd is None or td is None or len(gd) != len(td):
         return True
     return any(a != b and not (isinstance(a, int) and a != 1) for a, b in zip(gd, td))
+
+
+# ----------------------------------------------------------------------------- Trilu
+
+
+@register("Trilu")
+def trilu(n, dys, needs, e):
+    """A 0/1 mask on the last two axes, its own adjoint: dx = Trilu(dy, k, upper)."""
+    k = optional_input(n, 1)
+    extra = [k] if k is not None else []
+    return (e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)),)

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of
+from gradbuilder.rules.helpers import optional_output, text_attr, wants
 
 
 def _class_vector(e, v, x):
@@ -69,9 +70,7 @@ def _loss_grads(n, dy, needs, e, lp):
     """(d lp from the loss output, d weights); ``lp`` are the log-probabilities (N, C, d..)."""
     x, labels = n.inputs[:2]
     weights = n.inputs[2] if len(n.inputs) > 2 else None
-    reduction = attr(n, "reduction", "mean")
-    if isinstance(reduction, bytes):
-        reduction = reduction.decode()
+    reduction = text_attr(n, "reduction", "mean")
     keep = _target_mask(e, x, labels, attr(n, "ignore_index", None))
     m = e.CastLike(keep, x)
     w = _class_vector(e, e.CastLike(weights, x), x) if weights is not None else None
@@ -84,7 +83,7 @@ def _loss_grads(n, dy, needs, e, lp):
         c = e.Div(dy, e.reduce("ReduceSum", mw, None, keepdims=False))
     dlp = e.Neg(e.Mul(c, mw))
     dw = None
-    if weights is not None and needs[2]:
+    if wants(needs, 2):
         # Where, not M*lp: log-probabilities of other classes may be -inf
         nll = e.Neg(e.reduce("ReduceSum", e.Where(keep, lp, e.scalar(0.0, lp)), [1], keepdims=True))
         if reduction == "mean":
@@ -108,7 +107,9 @@ def softmax_cross_entropy_loss(n, dys, needs, e):
     G = -c*M*w + d log_prob, d scores = G - softmax*sum_c(G)."""
     x = n.inputs[0]
     dy, dlog_prob = (list(dys) + [None])[:2]
-    lp = n.outputs[1] if len(n.outputs) > 1 and n.outputs[1].name else e.LogSoftmax(x, axis=1)
+    lp = optional_output(n, 1)
+    if lp is None:
+        lp = e.LogSoftmax(x, axis=1)
     g, dw = _loss_grads(n, dy, needs, e, lp) if dy is not None else (None, None)
     if dlog_prob is not None:
         g = dlog_prob if g is None else e.Add(g, dlog_prob)

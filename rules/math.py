@@ -1,6 +1,6 @@
 """Elementwise math and activations not covered elsewhere: the trigonometric and hyperbolic
 functions and their inverses, Celu Mish ThresholdedRelu Shrink PRelu Swish Mod, the piecewise
-constant ops Floor Ceil Round Sign Hardmax, CumProd, Range and Det.
+constant ops Floor Ceil Round Sign Hardmax, Range and Det.
 
 Each elementwise rule is ``dx = dy * f'(x)``. Masks pick the branch of piecewise ops; at a
 kink the gradient follows the branch the spec's strict comparison selects.
@@ -9,29 +9,20 @@ kink the gradient follows the branch the spec's strict comparison selects.
 from __future__ import annotations
 
 import numpy as np
-import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
-from gradbuilder.compiler.values import attr, constant_of, dims_of
-from gradbuilder.rules.sizes import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec
+from gradbuilder.compiler.values import attr, dims_of
+from gradbuilder.rules.helpers import keep, zero_gradients
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _c(e, value, like):
-    return e.scalar(value, like=like)
-
-
-def _keep(e, cond, v):
-    """``v`` where ``cond``, else 0. (Where takes bfloat16 from opset 16 only, but none of the
-    ops using it here takes bfloat16 before that.)"""
-    return e.Where(cond, v, _c(e, 0.0, v))
+# (``keep`` is a Where, which takes bfloat16 from opset 16 only; none of the ops using it here
+# takes bfloat16 before that.)
 
 
 def _one_minus_sq(e, x):
     """1 - x^2"""
-    return e.Sub(_c(e, 1.0, x), e.Mul(x, x))
+    return e.Sub(e.scalar(1.0, x), e.Mul(x, x))
 
 
 # ----------------------------------------------------------------------------- trigonometric
@@ -53,7 +44,7 @@ def cos(n, dys, needs, e):
 def tan(n, dys, needs, e):
     """dx = dy * (1 + y^2)"""
     (y,) = n.outputs
-    return (e.Mul(dys[0], e.Add(_c(e, 1.0, y), e.Mul(y, y))),)
+    return (e.Mul(dys[0], e.Add(e.scalar(1.0, y), e.Mul(y, y))),)
 
 
 @register("Asin")
@@ -72,7 +63,7 @@ def acos(n, dys, needs, e):
 def atan(n, dys, needs, e):
     """dx = dy / (1 + x^2)"""
     (x,) = n.inputs
-    return (e.Div(dys[0], e.Add(_c(e, 1.0, x), e.Mul(x, x))),)
+    return (e.Div(dys[0], e.Add(e.scalar(1.0, x), e.Mul(x, x))),)
 
 
 @register("Sinh")
@@ -91,14 +82,14 @@ def cosh(n, dys, needs, e):
 def asinh(n, dys, needs, e):
     """dx = dy / sqrt(x^2 + 1)"""
     (x,) = n.inputs
-    return (e.Div(dys[0], e.Sqrt(e.Add(e.Mul(x, x), _c(e, 1.0, x)))),)
+    return (e.Div(dys[0], e.Sqrt(e.Add(e.Mul(x, x), e.scalar(1.0, x)))),)
 
 
 @register("Acosh")
 def acosh(n, dys, needs, e):
     """dx = dy / sqrt(x^2 - 1)   (x > 1)"""
     (x,) = n.inputs
-    return (e.Div(dys[0], e.Sqrt(e.Sub(e.Mul(x, x), _c(e, 1.0, x)))),)
+    return (e.Div(dys[0], e.Sqrt(e.Sub(e.Mul(x, x), e.scalar(1.0, x)))),)
 
 
 @register("Atanh")
@@ -116,7 +107,7 @@ def celu(n, dys, needs, e):
     dx = dy * exp(min(x, 0) / alpha)   (1 for x > 0, exp(x/alpha) for x <= 0)"""
     (x,) = n.inputs
     alpha = attr(n, "alpha", 1.0)
-    return (e.Mul(dys[0], e.Exp(e.Div(e.Min(x, _c(e, 0.0, x)), _c(e, alpha, x)))),)
+    return (e.Mul(dys[0], e.Exp(e.Div(e.Min(x, e.scalar(0.0, x)), e.scalar(alpha, x)))),)
 
 
 @register("Mish")
@@ -131,7 +122,7 @@ def mish(n, dys, needs, e):
 def thresholded_relu(n, dys, needs, e):
     """y = x (x > alpha), 0 otherwise:  dx = dy where x > alpha, else 0"""
     (x,) = n.inputs
-    return (_keep(e, e.Greater(x, _c(e, attr(n, "alpha", 1.0), x)), dys[0]),)
+    return (keep(e, e.Greater(x, e.scalar(attr(n, "alpha", 1.0), x)), dys[0]),)
 
 
 @register("Shrink")
@@ -140,8 +131,8 @@ def shrink(n, dys, needs, e):
     dx = dy where |x| > lambd, else 0"""
     (x,) = n.inputs
     lambd = attr(n, "lambd", 0.5)
-    outside = e.Or(e.Greater(x, _c(e, lambd, x)), e.Less(x, _c(e, -lambd, x)))
-    return (_keep(e, outside, dys[0]),)
+    outside = e.Or(e.Greater(x, e.scalar(lambd, x)), e.Less(x, e.scalar(-lambd, x)))
+    return (keep(e, outside, dys[0]),)
 
 
 @register("PRelu")
@@ -150,9 +141,9 @@ def prelu(n, dys, needs, e):
     dx = dy * slope where x < 0, else dy;  dslope = unbroadcast(dy * x where x < 0)"""
     x, slope = n.inputs
     (dy,) = dys
-    neg = e.Less(x, _c(e, 0.0, x))
+    neg = e.Less(x, e.scalar(0.0, x))
     dx = e.Where(neg, e.Mul(dy, slope), dy) if needs[0] else None
-    dslope = e.unbroadcast(_keep(e, neg, e.Mul(dy, x)), slope) if needs[1] else None
+    dslope = e.unbroadcast(keep(e, neg, e.Mul(dy, x)), slope) if needs[1] else None
     return dx, dslope
 
 
@@ -161,9 +152,9 @@ def swish(n, dys, needs, e):
     """y = x sigmoid(alpha x):  dx = dy * (s + alpha y (1 - s)),  s = sigmoid(alpha x)"""
     (x,) = n.inputs
     (y,) = n.outputs
-    alpha = _c(e, attr(n, "alpha", 1.0), x)
+    alpha = e.scalar(attr(n, "alpha", 1.0), x)
     s = e.Sigmoid(e.Mul(alpha, x))
-    return (e.Mul(dys[0], e.Add(s, e.Mul(e.Mul(alpha, y), e.Sub(_c(e, 1.0, s), s)))),)
+    return (e.Mul(dys[0], e.Add(s, e.Mul(e.Mul(alpha, y), e.Sub(e.scalar(1.0, s), s)))),)
 
 
 @register("Mod")
@@ -191,68 +182,7 @@ def piecewise_constant(n, dys, needs, e):
     """Piecewise constant in x (Floor, Ceil, Round, Sign; Hardmax's one-hot of the first
     maximum): the derivative is zero almost everywhere, and undefined at the jumps, where zero
     is used too. dx = 0."""
-    return (e.zeros_like(n.inputs[0]),)
-
-
-# ----------------------------------------------------------------------------- CumProd
-
-
-_FACTOR_TEST = {(0, 0): "LessOrEqual", (1, 0): "Less", (0, 1): "GreaterOrEqual", (1, 1): "Greater"}
-
-
-def _along(e, v, trailing):
-    """``v`` (n, n) given ``trailing`` unit axes: (n, n, 1, ..., 1). ``trailing`` is an int or
-    a 1-element int64 tensor (an axis chosen at run time)."""
-    if isinstance(trailing, int):
-        return e.Unsqueeze(v, list(range(2, 2 + trailing))) if trailing else v
-    ones = e.ConstantOfShape(trailing, value=ir.tensor(np.array([1], dtype=np.int64)))
-    return e.Reshape(v, e.Concat(e.Shape(v), ones, axis=0))
-
-
-def _cumprod_masks(e, x, dims, axis, exclusive, reverse):
-    """Two (n, n, 1, ..., 1) bool masks over (j, i), aligned with x unsqueezed at ``axis``:
-    ``eye`` (i == j) and ``inside`` (x_j is a factor of y_i: j <= i, j < i with exclusive,
-    mirrored with reverse). Constants for a static axis and length, else Range-based."""
-    test = _FACTOR_TEST[(int(bool(exclusive)), int(bool(reverse)))]
-    length = dims[axis]
-    trailing = isub(e, isub(e, dims.rank_value(), axis), 1)
-    if isinstance(length, int) and isinstance(trailing, int):
-        j, i = np.arange(length)[:, None], np.arange(length)[None, :]
-        inside = {"LessOrEqual": j <= i, "Less": j < i, "GreaterOrEqual": j >= i, "Greater": j > i}[test]
-        shape = (length, length) + (1,) * trailing
-        return e.const((j == i).reshape(shape)), e.const(inside.reshape(shape))
-    idx = e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1))
-    j, i = e.Unsqueeze(idx, [1]), e.Unsqueeze(idx, [0])
-    return _along(e, e.Equal(j, i), trailing), _along(e, e.op(test, j, i), trailing)
-
-
-@register("CumProd", since=26)
-def cumprod(n, dys, needs, e):
-    """y_i = prod of x_k over k in S_i (S_i: k <= i, k < i with exclusive, mirrored with reverse).
-
-    dx_j = sum over i with j in S_i of dy_i * prod of x_k over k in S_i, k != j: exact also
-    where x has zeros (no division). For every j the row with x_j replaced by 1 goes through
-    CumProd with the node's attributes; that costs n times the memory of x (n = length of the
-    axis). The axis may be a constant or given at run time (then the masks are built with
-    Range and the unit axes with ConstantOfShape)."""
-    x, axis_v = n.inputs
-    (dy,) = dys
-    dims = Dims(e, x)
-    axis_c = constant_of(axis_v)
-    if axis_c is not None and dims.rank is not None:
-        axis = int(np.asarray(axis_c).reshape(-1)[0]) % dims.rank
-    elif axis_c is not None:
-        axis = iwrap(e, int(np.asarray(axis_c).reshape(-1)[0]), dims.rank_value())
-    else:
-        axis = iwrap(e, e.Reshape(as_int64(e, axis_v), [1]), dims.rank_value())
-    exclusive, reverse = attr(n, "exclusive", 0), attr(n, "reverse", 0)
-    eye, inside = _cumprod_masks(e, x, dims, axis, exclusive, reverse)
-    rows = e.Where(eye, _c(e, 1.0, x), e.Unsqueeze(x, vec(e, axis)))  # (..., n_j, n_i, ...)
-    inner = iadd(e, axis, 1)
-    inner_scalar = e.const(np.array(inner, np.int64)) if isinstance(inner, int) else e.Reshape(inner, [])
-    partial = e.CumProd(rows, inner_scalar, exclusive=exclusive, reverse=reverse)
-    terms = _keep(e, inside, e.Mul(e.Unsqueeze(dy, vec(e, axis)), partial))
-    return e.reduce("ReduceSum", terms, [inner] if isinstance(inner, int) else inner, keepdims=False), None
+    return zero_gradients(n, needs, e)
 
 
 # ----------------------------------------------------------------------------- Range

@@ -1,54 +1,18 @@
-"""Small normalizations and Lp pools: LpNormalization MeanVarianceNormalization LRN
-RMSNormalization GlobalLpPool LpPool.
+"""Small normalizations: LpNormalization MeanVarianceNormalization LRN RMSNormalization.
 
 The normalizations divide x by a statistic s of a group of elements; each gradient is
 ``dy / s`` minus the part that flows through s, written as a mean or sum over the group.
-The Lp pools are norms of windows: ``y = (sum |x|^p)^(1/p)``, so
-``dx = sign(x) |x|^(p-1) * (the sum, over the windows holding x, of dy * y^(1-p))``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
-from gradbuilder.compiler.values import attr, dims_of, unknown_rank
-from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
-from gradbuilder.rules.sizes import cast_to, dim, is_static, reshape_to
-from gradbuilder.rules.windows import conv_transpose_fitted, window_axes
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _c(e, value, like):
-    return e.scalar(value, like=like)
-
-
-def _rank(n, *values, fallback=None) -> int:
-    for v in values:
-        d = dims_of(v) if v is not None else None
-        if d is not None:
-            return len(d)
-    if fallback is not None:
-        return fallback
-    raise unknown_rank(values[0], n.op_type)
-
-
-def _mean(e, v, axes):
-    return e.reduce("ReduceMean", v, axes, keepdims=True)
-
-
-def _sum(e, v, axes):
-    return e.reduce("ReduceSum", v, axes, keepdims=True)
-
-
-def _safe_div(e, num, den):
-    """num / den, and 0 where den == 0 (den broadcasts against num)."""
-    zero = e.Equal(den, _c(e, 0.0, den))
-    out = e.Div(num, e.Where(zero, _c(e, 1.0, den), den))
-    return e.Where(zero, _c(e, 0.0, out), out)
+from gradbuilder.compiler.values import attr
+from gradbuilder.rules.helpers import cast_to, compute_type, mean_over, rank_of, safe_div, sum_over
+from gradbuilder.rules.norm_stats import Moments, trailing_axes
 
 
 # ----------------------------------------------------------------------------- LpNormalization
@@ -67,7 +31,7 @@ def lp_normalization(n, dys, needs, e):
         raise GradientRuleError(f"LpNormalization: p must be 1 or 2, got {p}")
     norm = e.reduce("ReduceL1" if p == 1 else "ReduceL2", x, [axis], keepdims=True)
     g = e.Sign(x) if p == 1 else y
-    return (_safe_div(e, e.Sub(dy, e.Mul(g, _sum(e, e.Mul(dy, y), [axis]))), norm),)
+    return (safe_div(e, e.Sub(dy, e.Mul(g, sum_over(e, e.Mul(dy, y), [axis]))), norm),)
 
 
 # ----------------------------------------------------------------------------- MeanVarianceNormalization
@@ -83,11 +47,11 @@ def mean_variance_normalization(n, dys, needs, e):
     (y,) = n.outputs
     (dy,) = dys
     axes = [int(a) for a in attr(n, "axes", [0, 2, 3])]
-    d = e.Sub(x, _mean(e, x, axes))
-    std = e.Sqrt(_mean(e, e.Mul(d, d), axes))
-    s = e.Add(std, _c(e, 1e-9, x))
-    centered = e.Sub(dy, _mean(e, dy, axes))
-    return (e.Div(e.Sub(centered, e.Mul(_safe_div(e, d, std), _mean(e, e.Mul(dy, y), axes))), s),)
+    d = e.Sub(x, mean_over(e, x, axes))
+    std = e.Sqrt(mean_over(e, e.Mul(d, d), axes))
+    s = e.Add(std, e.scalar(1e-9, x))
+    centered = e.Sub(dy, mean_over(e, dy, axes))
+    return (e.Div(e.Sub(centered, e.Mul(safe_div(e, d, std), mean_over(e, e.Mul(dy, y), axes))), s),)
 
 
 # ----------------------------------------------------------------------------- LRN
@@ -121,12 +85,12 @@ def lrn(n, dys, needs, e):
     (dy,) = dys
     size = int(attr(n, "size"))
     alpha, beta, bias = attr(n, "alpha", 1e-4), attr(n, "beta", 0.75), attr(n, "bias", 1.0)
-    rank = _rank(n, x, y, dy)
+    rank = rank_of(x, y, dy, op=n.op_type)
     lo, hi = (size - 1) // 2, size // 2
-    s = e.Add(_c(e, bias, x), e.Mul(_c(e, alpha / size, x), _channel_window_sum(e, e.Mul(x, x), lo, hi, rank)))
+    s = e.Add(e.scalar(bias, x), e.Mul(e.scalar(alpha / size, x), _channel_window_sum(e, e.Mul(x, x), lo, hi, rank)))
     back = _channel_window_sum(e, e.Div(e.Mul(dy, y), s), hi, lo, rank)
-    direct = e.Mul(dy, e.Pow(s, _c(e, -beta, s)))
-    return (e.Sub(direct, e.Mul(e.Mul(_c(e, 2.0 * alpha * beta / size, x), x), back)),)
+    direct = e.Mul(dy, e.Pow(s, e.scalar(-beta, s)))
+    return (e.Sub(direct, e.Mul(e.Mul(e.scalar(2.0 * alpha * beta / size, x), x), back)),)
 
 
 # ----------------------------------------------------------------------------- RMSNormalization
@@ -149,67 +113,3 @@ def rms_normalization(n, dys, needs, e):
         g = e.CastLike(e.Mul(dy, e.CastLike(scale, dy)), xc)
         dx = e.CastLike(st.backward(g), x)
     return dx, dscale
-
-
-# ----------------------------------------------------------------------------- Lp pools
-
-
-def _lp_local(e, x, p: int):
-    """d|x|^p / dx / p = sign(x) |x|^(p-1)."""
-    if p == 1:
-        return e.Sign(x)
-    if p == 2:
-        return x
-    return e.Mul(e.Sign(x), e.Pow(e.Abs(x), _c(e, float(p - 1), x)))
-
-
-def _window_weight(e, dy, y, p: int):
-    """dy * y^(1-p), 0 where the window is all zeros (y = 0)."""
-    if p == 1:
-        return dy
-    if p == 2:
-        return _safe_div(e, dy, y)
-    return _safe_div(e, dy, e.Pow(y, _c(e, float(p - 1), y)))
-
-
-def _p(n):
-    p = attr(n, "p", 2)
-    if int(p) != p or p < 1:
-        raise GradientRuleError(f"{n.op_type}: p must be a positive integer, got {p}")
-    return int(p)
-
-
-@register("GlobalLpPool")
-def global_lp_pool(n, dys, needs, e):
-    """y = (sum of |x|^p over the spatial axes)^(1/p):  dx = sign(x) |x|^(p-1) * dy * y^(1-p)."""
-    (x,) = n.inputs
-    (y,) = n.outputs
-    p = _p(n)
-    return (e.Mul(_lp_local(e, x, p), _window_weight(e, dys[0], y, p)),)
-
-
-@register("LpPool")
-def lp_pool(n, dys, needs, e):
-    """y[o] = (sum of |x|^p over window o)^(1/p), pads counting as zeros:
-    dx = sign(x) |x|^(p-1) * sum over the windows o holding x of dy[o] * y[o]^(1-p).
-
-    The sum over windows is AveragePool's scatter: a stride-s ConvTranspose with a ones kernel
-    on the (N*C, 1, *spatial) planes, cut to x's extent (pads, auto_pad, ceil_mode, dilations
-    as in pooling.py)."""
-    (x,) = n.inputs
-    (y,) = n.outputs
-    (dy,) = dys
-    p = _p(n)
-    kernel = [int(k) for k in attr(n, "kernel_shape")]
-    rank = _rank(n, x, dy, y, fallback=len(kernel) + 2)
-    axes = window_axes(e, n, x, y, kernel, pool=True)
-    w = _window_weight(e, dy, y, p)
-    wd = dims_of(w)
-    lead = wd[0] * wd[1] if wd is not None and is_static(*wd[:2]) else -1
-    planes = reshape_to(e, w, [lead, 1] + [dim(e, w, i) for i in range(2, rank)])
-    ones = e.const(np.ones([1, 1] + kernel), dtype=x.dtype or ir.DataType.FLOAT)
-    g = conv_transpose_fitted(e, planes, ones, kernel, [a.begin for a in axes], [a.size for a in axes],
-                              [a.stride for a in axes], [a.dilation for a in axes])
-    xd = dims_of(x)
-    g = reshape_to(e, g, list(xd), like=x) if xd is not None and is_static(*xd) else e.Reshape(g, e.Shape(x))
-    return (e.Mul(_lp_local(e, x, p), g),)

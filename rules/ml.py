@@ -18,19 +18,12 @@ import numpy as np
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of
+from gradbuilder.rules.helpers import const_like, text_attr, zero_gradients
 
 ML = "ai.onnx.ml"
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _const(e, array, like):
-    """A constant with ``like``'s dtype."""
-    arr = np.asarray(array, dtype=np.float64)
-    if like.dtype is not None:
-        return e.const(arr, dtype=like.dtype)
-    return e.CastLike(e.const(arr), like)
 
 
 def _as_input(e, g, x):
@@ -51,7 +44,7 @@ def _as_input(e, g, x):
 def piecewise_constant(n, dys, needs, e):
     """Piecewise constant in X (a threshold, tree splits, a category lookup): the derivative
     is zero wherever it exists, so float inputs get a zero gradient."""
-    return [e.zeros_like(x) if need else None for x, need in zip(n.inputs, needs)]
+    return zero_gradients(n, needs, e)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -79,7 +72,7 @@ def array_feature_extractor(n, dys, needs, e):
     if known is not None and dims and isinstance(dims[-1], int):
         c = dims[-1]
         flat = np.asarray(known, dtype=np.int64).reshape(-1)
-        onehot = _const(e, (flat[:, None] % c) == np.arange(c)[None, :], x)
+        onehot = const_like(e, (flat[:, None] % c) == np.arange(c)[None, :], x)
     else:
         c = _last_dim(e, x)
         zero = e.const(np.array(0, dtype=np.int64))
@@ -141,7 +134,7 @@ def scaler(n, dys, needs, e):
     scale = attr(n, "scale", [])
     if not scale:
         return (dy,)
-    return (e.Mul(dy, _const(e, scale if len(scale) > 1 else scale[0], x)),)
+    return (e.Mul(dy, const_like(e, scale if len(scale) > 1 else scale[0], x)),)
 
 
 @register("Imputer", domain=ML)
@@ -202,13 +195,13 @@ def _scores(e, x, w, b):
     """S = X W^T + b, X seen as (N, C)."""
     dims = dims_of(x)
     xm = x if dims is not None and len(dims) == 2 else e.Reshape(x, [-1, w.shape[1]])
-    s = e.MatMul(xm, _const(e, w.T, x))
-    return s if b is None else e.Add(s, _const(e, b, x))
+    s = e.MatMul(xm, const_like(e, w.T, x))
+    return s if b is None else e.Add(s, const_like(e, b, x))
 
 
 def _from_scores(e, ds, w, x):
     """dX = dS @ W, in X's shape."""
-    return _as_input(e, e.MatMul(ds, _const(e, w, x)), x)
+    return _as_input(e, e.MatMul(ds, const_like(e, w, x)), x)
 
 
 _A = 0.147  # the constant of the erf^-1 approximation onnxruntime and onnx's reference use
@@ -266,11 +259,6 @@ def _transform_grad(e, mode, dz, z, scores, n_targets: int):
     raise GradientRuleError(f"unknown post_transform '{mode}'")
 
 
-def _mode(n):
-    mode = attr(n, "post_transform", "NONE")
-    return mode.decode() if isinstance(mode, bytes) else mode
-
-
 @register("LinearRegressor", domain=ML)
 def linear_regressor(n, dys, needs, e):
     """S = X W^T + b (W: coefficients as (targets, C); b: intercepts, used when there is one
@@ -280,7 +268,8 @@ def linear_regressor(n, dys, needs, e):
     targets = attr(n, "targets", 1)
     w, b = _weights(n, x, targets)
     dz = e.CastLike(dys[0], x)
-    ds = _transform_grad(e, _mode(n), dz, e.CastLike(n.outputs[0], x), lambda: _scores(e, x, w, b), targets)
+    mode = text_attr(n, "post_transform", "NONE")
+    ds = _transform_grad(e, mode, dz, e.CastLike(n.outputs[0], x), lambda: _scores(e, x, w, b), targets)
     return (_from_scores(e, ds, w, x),)
 
 
@@ -310,14 +299,14 @@ def linear_classifier(n, dys, needs, e):
             raise GradientRuleError("LinearClassifier without intercepts needs a static feature count")
         targets = len(attr(n, "coefficients", [])) // dims[-1]
     w, b = _weights(n, x, targets)
-    mode = _mode(n)
+    mode = text_attr(n, "post_transform", "NONE")
     dz = e.CastLike(dz, x)
     z = e.CastLike(n.outputs[1], x)
     if targets == 1 and len(labels) == 2:
         if mode == "PROBIT":
             raise GradientRuleError("binary LinearClassifier with post_transform PROBIT: onnxruntime leaves "
                                     "half of the scores unwritten, so they have no gradient")
-        ds = e.MatMul(dz, _const(e, [[-1.0], [1.0]], x))
+        ds = e.MatMul(dz, const_like(e, [[-1.0], [1.0]], x))
         if mode == "LOGISTIC":
             ds = e.Mul(ds, e.reduce("ReduceProd", z, [-1]))
     else:

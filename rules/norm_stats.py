@@ -1,5 +1,5 @@
 """Normalization statistics shared by the normalization rules (normalization.py, contrib.py,
-misc_norm.py).
+misc_norm.py). A helper module: it registers no rule.
 
 Over the normalized axes (M elements)::
 
@@ -11,7 +11,8 @@ expose mu, r or the variance::
 
     dx = r (g - mean(g) - xhat mean(g xhat)) + (dmu - dr r^2 xhat + 2 dvar xhat / r)/M
 
-(no mean(g) and no dmu when not centered).
+(no mean(g) and no dmu when not centered). The dtype the statistics are computed in is
+:func:`gradbuilder.rules.helpers.compute_type`.
 """
 
 from __future__ import annotations
@@ -20,16 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradbuilder.compiler.values import dims_of
-from gradbuilder.rules.sizes import HALF_TYPES, cast_to
-
-
-def compute_type(x, stash=ir.DataType.FLOAT):
-    """The dtype the statistics are computed in: ``stash`` (a DataType or its int) for 16-bit
-    x when it is wider, else x's own dtype."""
-    stash = ir.DataType(stash)
-    if x.dtype in HALF_TYPES and stash.itemsize > x.dtype.itemsize:
-        return stash
-    return x.dtype
+from gradbuilder.rules.helpers import cast_to
 
 
 def trailing_axes(e, x, axis):

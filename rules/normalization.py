@@ -23,8 +23,9 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of
-from gradbuilder.rules.norm_stats import Moments, compute_type, trailing_axes
-from gradbuilder.rules.sizes import cast_to, static_dims
+from gradbuilder.rules.helpers import cast_to, compute_type, wants
+from gradbuilder.rules.norm_stats import Moments, trailing_axes
+from gradbuilder.rules.sizes import static_dims
 
 # ----------------------------------------------------------------------------- shared pieces
 
@@ -168,7 +169,7 @@ def layer_norm(n, dys, needs, e):
         xhat = e.CastLike(s.xhat, x)
         if needs[1]:
             dscale = e.unbroadcast(e.Mul(dy, xhat), scale)
-        if b is not None and needs[2]:
+        if wants(needs, 2):
             db = e.unbroadcast(dy, b)
     if needs[0]:
         dxhat = e.CastLike(e.Mul(dy, scale), xc) if dy is not None else None

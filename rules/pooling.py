@@ -1,10 +1,14 @@
-"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, MaxUnpool.
+"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, MaxUnpool, LpPool,
+GlobalLpPool.
 
 Windows are described as in ``conv.py``: on each spatial axis window ``o`` covers frame
 positions ``o*s + j*d`` (j < kernel), the input sitting at ``[b, b + size)``. Backward passes
 work on the (N*C, 1, *spatial) planes of the input, where scattering values back into their
 windows is a ConvTranspose with one input channel (the form onnx's reference evaluator and
 onnxruntime agree on).
+
+The Lp pools are norms of windows: ``y = (sum |x|^p)^(1/p)``, so
+``dx = sign(x) |x|^(p-1) * (the sum, over the windows holding x, of dy * y^(1-p))``.
 """
 
 from __future__ import annotations
@@ -14,21 +18,12 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
+from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
-from gradbuilder.compiler.values import attr, dims_of, unknown_rank
+from gradbuilder.compiler.values import attr, dims_of
+from gradbuilder.rules.helpers import HALF_TYPES, rank_of, safe_div
 from gradbuilder.rules.sizes import dim, iadd, imul, is_static, isub, known, reshape_to, stack
 from gradbuilder.rules.windows import conv_fitted, conv_transpose_fitted, fit, frame_of, window_axes
-
-
-def _rank(n, x, dy) -> int:
-    for v in (x, dy):
-        d = dims_of(v)
-        if d is not None:
-            return len(d)
-    ks = attr(n, "kernel_shape")
-    if ks:
-        return len(ks) + 2
-    raise unknown_rank(x, n.op_type)
 
 
 def _planes(e, v, rank):
@@ -96,8 +91,8 @@ def average_pool(n, dys, needs, e):
     positions of a ceil_mode window past the end padding never count."""
     x, y = n.inputs[0], n.outputs[0]
     (dy,) = dys
-    rank = _rank(n, x, dy)
     kernel = [int(k) for k in attr(n, "kernel_shape")]
+    rank = rank_of(x, dy, fallback=len(kernel) + 2)
     axes = window_axes(e, n, x, y, kernel, pool=True)
     include_pad = bool(attr(n, "count_include_pad", 0))
 
@@ -135,8 +130,8 @@ def max_pool(n, dys, needs, e):
     dy = dys[0]
     if dy is None:
         return (None,)
-    rank = _rank(n, x, dy)
     kernel = [int(k) for k in attr(n, "kernel_shape")]
+    rank = rank_of(x, dy, fallback=len(kernel) + 2)
     axes = window_axes(e, n, x, y, kernel, pool=True)
     if e.opset >= 16:
         return (_max_pool_scatter(n, e, x, dy, axes),)
@@ -159,7 +154,7 @@ def _max_pool_scatter(n, e, x, dy, axes):
     numel = e.ints([int(np.prod(d, dtype=np.int64))]) if static else e.Reshape(e.Size(x), e.ints([1]))
     dtype = _dtype(x, dy)
     # onnxruntime's CPU ScatterElements cannot add float16: accumulate 16-bit floats in float32
-    acc = ir.DataType.FLOAT if dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else dtype
+    acc = ir.DataType.FLOAT if dtype in HALF_TYPES else dtype
     updates = e.Reshape(dy, e.ints([-1]))
     if acc != dtype:
         updates = e.Cast(updates, to=int(acc))
@@ -225,7 +220,7 @@ def global_max_pool(n, dys, needs, e):
     shared evenly between ties (as for ReduceMax)."""
     x, y = n.inputs[0], n.outputs[0]
     (dy,) = dys
-    rank = _rank(n, x, dy)
+    rank = rank_of(x, dy, op=n.op_type)
     mask = e.CastLike(e.Equal(x, y), x)
     count = e.reduce("ReduceSum", mask, list(range(2, rank)), keepdims=True)
     return (e.Mul(e.Div(dy, count), mask),)
@@ -250,9 +245,9 @@ def max_unpool(n, dys, needs, e):
     (dy,) = dys
     if dy is None or not needs[0]:
         return [None] * len(n.inputs)
-    rank = _rank(n, x, dy)
-    r = rank - 2
     kernel = [int(k) for k in attr(n, "kernel_shape")]
+    rank = rank_of(x, dy, fallback=len(kernel) + 2)
+    r = rank - 2
     strides = [int(s) for s in (attr(n, "strides") or [1] * r)]
     pads = [int(p) for p in (attr(n, "pads") or [0] * (2 * r))]
     out_shape = n.inputs[2] if len(n.inputs) > 2 else None
@@ -276,3 +271,64 @@ def max_unpool(n, dys, needs, e):
     d = dims_of(x)
     dx = e.Reshape(dx, e.ints(list(d)) if d is not None and is_static(*d) else e.Shape(x))
     return [dx] + [None] * (len(n.inputs) - 1)
+
+
+# ----------------------------------------------------------------------------- Lp pools
+
+
+def _lp_local(e, x, p: int):
+    """d|x|^p / dx / p = sign(x) |x|^(p-1)."""
+    if p == 1:
+        return e.Sign(x)
+    if p == 2:
+        return x
+    return e.Mul(e.Sign(x), e.Pow(e.Abs(x), e.scalar(float(p - 1), x)))
+
+
+def _window_weight(e, dy, y, p: int):
+    """dy * y^(1-p), 0 where the window is all zeros (y = 0)."""
+    if p == 1:
+        return dy
+    if p == 2:
+        return safe_div(e, dy, y)
+    return safe_div(e, dy, e.Pow(y, e.scalar(float(p - 1), y)))
+
+
+def _p(n):
+    p = attr(n, "p", 2)
+    if int(p) != p or p < 1:
+        raise GradientRuleError(f"{n.op_type}: p must be a positive integer, got {p}")
+    return int(p)
+
+
+@register("GlobalLpPool")
+def global_lp_pool(n, dys, needs, e):
+    """y = (sum of |x|^p over the spatial axes)^(1/p):  dx = sign(x) |x|^(p-1) * dy * y^(1-p)."""
+    (x,) = n.inputs
+    (y,) = n.outputs
+    p = _p(n)
+    return (e.Mul(_lp_local(e, x, p), _window_weight(e, dys[0], y, p)),)
+
+
+@register("LpPool")
+def lp_pool(n, dys, needs, e):
+    """y[o] = (sum of |x|^p over window o)^(1/p), pads counting as zeros:
+    dx = sign(x) |x|^(p-1) * sum over the windows o holding x of dy[o] * y[o]^(1-p).
+
+    The sum over windows is AveragePool's scatter: a stride-s ConvTranspose with a ones kernel
+    on the (N*C, 1, *spatial) planes, cut to x's extent (pads, auto_pad, ceil_mode, dilations
+    as for AveragePool)."""
+    (x,) = n.inputs
+    (y,) = n.outputs
+    (dy,) = dys
+    p = _p(n)
+    kernel = [int(k) for k in attr(n, "kernel_shape")]
+    rank = rank_of(x, dy, y, fallback=len(kernel) + 2)
+    axes = window_axes(e, n, x, y, kernel, pool=True)
+    w = _window_weight(e, dy, y, p)
+    planes = _planes(e, w, rank)
+    ones = e.const(np.ones([1, 1] + kernel), dtype=x.dtype or ir.DataType.FLOAT)
+    g = conv_transpose_fitted(e, planes, ones, kernel, [a.begin for a in axes], [a.size for a in axes],
+                              [a.stride for a in axes], [a.dilation for a in axes])
+    g = _unplanes(e, g, x)
+    return (e.Mul(_lp_local(e, x, p), g),)

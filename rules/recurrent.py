@@ -41,6 +41,7 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of
+from gradbuilder.rules.helpers import wants
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
@@ -379,10 +380,10 @@ class _Recurrence:
             rows = [e.reduce("ReduceSum", e.MatMul(_transposed(e, g, 4), h), [0], keepdims=False)
                     for g, h in dR_parts]
             dR = rows[0] if len(rows) == 1 else e.Concat(*rows, axis=1)
-        if len(needs) > 3 and needs[3]:
+        if wants(needs, 3):
             dB = e.Concat(e.reduce("ReduceSum", dA, [0, 2], keepdims=False),
                           e.reduce("ReduceSum", dRb, [0, 2], keepdims=False), axis=1)
-        if len(needs) > 5 and needs[5]:
+        if wants(needs, 5):
             dh0 = self.relayout(dS, [1, 0, 2])
         return [dX, dW, dR, dB, None, dh0, *extra][:len(needs)]
 
@@ -535,9 +536,9 @@ def lstm(n, dys, needs, e):
     (dS, dCS), (dA,) = u.scan(step, [dS, dCS], [dY, u.mf, u.omf, Qo, Qc, Qi, Qf, Qg, fg], reverse=True)
 
     dc0 = dP = None
-    if len(needs) > 6 and needs[6]:
+    if wants(needs, 6):
         dc0 = u.relayout(dCS, [1, 0, 2])
-    if len(needs) > 7 and needs[7]:
+    if wants(needs, 7):
         dai, dao, daf, _ = u.gate_split(dA)
         dP = e.Concat(*(e.reduce("ReduceSum", e.Mul(da, c), [0, 2], keepdims=False)
                         for da, c in ((dai, Cp), (dao, Cn), (daf, Cp))), axis=1)

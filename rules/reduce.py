@@ -60,12 +60,12 @@ def _same(n, e, op, v):
     return e.reduce(op, v, axes, keepdims=True)
 
 
-def _sum(n, e, x, dy, y, noop):
+def _d_sum(n, e, x, dy, y, noop):
     """d sum(x) = dy"""
     return dy
 
 
-def _mean(n, e, x, dy, y, noop):
+def _d_mean(n, e, x, dy, y, noop):
     """d mean(x) = dy / count"""
     if noop:
         return dy
@@ -73,7 +73,7 @@ def _mean(n, e, x, dy, y, noop):
     return e.Div(dy, count)
 
 
-def _extreme(n, e, x, dy, y, noop):
+def _d_extreme(n, e, x, dy, y, noop):
     """max/min: dy goes to the elements equal to the result, shared evenly between ties"""
     if noop:
         return dy
@@ -81,7 +81,7 @@ def _extreme(n, e, x, dy, y, noop):
     return e.Div(e.Mul(dy, mask), e.expand_like(_same(n, e, "ReduceSum", mask), x))
 
 
-def _l2(n, e, x, dy, y, noop):
+def _d_l2(n, e, x, dy, y, noop):
     """d sqrt(sum x^2) = dy * x / y  (0 where y = 0)"""
     if noop:
         return e.Mul(dy, e.Sign(x))
@@ -89,31 +89,31 @@ def _l2(n, e, x, dy, y, noop):
     return e.Mul(dy, e.Div(x, safe))
 
 
-def _l1(n, e, x, dy, y, noop):
+def _d_l1(n, e, x, dy, y, noop):
     """d sum|x| = dy * sign(x)"""
     return e.Mul(dy, e.Sign(x))
 
 
-def _sum_square(n, e, x, dy, y, noop):
+def _d_sum_square(n, e, x, dy, y, noop):
     """d sum x^2 = 2 x dy"""
     return e.Mul(dy, e.Mul(e.scalar(2.0, x), x))
 
 
-def _log_sum_exp(n, e, x, dy, y, noop):
+def _d_log_sum_exp(n, e, x, dy, y, noop):
     """d log(sum exp x) = dy * exp(x - y)"""
     if noop:
         return dy
     return e.Mul(dy, e.Exp(e.Sub(x, y)))
 
 
-def _log_sum(n, e, x, dy, y, noop):
+def _d_log_sum(n, e, x, dy, y, noop):
     """d log(sum x) = dy / sum(x) = dy / exp(y)"""
     if noop:
         return e.Div(dy, x)
     return e.Div(dy, e.Exp(y))
 
 
-def _prod(n, e, x, dy, y, noop):
+def _d_prod(n, e, x, dy, y, noop):
     """d prod(x) / dx_i = product of the other elements (exact when some x are zero)"""
     if noop:
         return dy
@@ -131,15 +131,15 @@ def _prod(n, e, x, dy, y, noop):
 
 
 for _name, _fn in {
-    "ReduceSum": _sum,
-    "ReduceMean": _mean,
-    "ReduceMax": _extreme,
-    "ReduceMin": _extreme,
-    "ReduceL2": _l2,
-    "ReduceL1": _l1,
-    "ReduceSumSquare": _sum_square,
-    "ReduceLogSumExp": _log_sum_exp,
-    "ReduceLogSum": _log_sum,
-    "ReduceProd": _prod,
+    "ReduceSum": _d_sum,
+    "ReduceMean": _d_mean,
+    "ReduceMax": _d_extreme,
+    "ReduceMin": _d_extreme,
+    "ReduceL2": _d_l2,
+    "ReduceL1": _d_l1,
+    "ReduceSumSquare": _d_sum_square,
+    "ReduceLogSumExp": _d_log_sum_exp,
+    "ReduceLogSum": _d_log_sum,
+    "ReduceProd": _d_prod,
 }.items():
     register(_name)(_reduction(_fn))

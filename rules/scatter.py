@@ -1,9 +1,8 @@
-"""Scatter and selection ops: ScatterElements ScatterND TensorScatter TopK Compress
-ReverseSequence OneHot Unique.
+"""Scatter ops: ScatterElements ScatterND TensorScatter.
 
 Each moves elements of its float inputs to other positions, so each gradient moves dy back:
 a position written by a scatter passes its dy to the update that wrote it, the others to
-data; a selection scatters dy back to the positions it read.
+data.
 
 Scatter reductions (``out[p] = f(data[p], updates landing on p)``):
 
@@ -33,13 +32,8 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input
-from gradbuilder.rules.sizes import Dims, accumulation_type, as_int64, cast_to, reshape_like, scalar_of, vec, zeros
-
-
-def _ordinals(e, like):
-    """0, 1, 2, ... (int64) in the shape of ``like``: the row-major number of each element."""
-    count = e.Size(like)
-    return reshape_like(e, e.Range(scalar_of(e, 0), e.Reshape(count, []), scalar_of(e, 1)), like)
+from gradbuilder.rules.helpers import accumulation_type, cast_to
+from gradbuilder.rules.sizes import Dims, as_int64, ordinals, scalar_of, vec, zeros
 
 
 # ----------------------------------------------------------------------------- ScatterElements / ScatterND
@@ -120,7 +114,7 @@ def _scatter_none(s, e, data, upd, dy, needs, unique):
     if needs[2]:
         du = s.take(dy)
         if not unique:
-            ids = _ordinals(e, upd)
+            ids = ordinals(e, upd)
             owner = s.put(zeros(e, Dims(e, data).vector(), None, ir.DataType.INT64), ids)
             du = e.Where(e.Equal(s.take(owner), ids), du, e.scalar(0.0, like=dy))
     return dd, du
@@ -217,82 +211,3 @@ def tensor_scatter(n, dys, needs, e):
                 pos = e.Mod(pos, vec(e, dims[axis]))
             dupd = e.GatherElements(dy, e.Expand(pos, Dims(e, update).vector()), axis=axis)
     return (dpast, dupd, None)[:len(n.inputs)]
-
-
-# ----------------------------------------------------------------------------- selections
-
-
-@register("TopK")
-def topk(n, dys, needs, e):
-    """values = x at indices along axis (each position at most once): dx = zeros with
-    d values written at indices; the Indices output carries no gradient."""
-    x = n.inputs[0]
-    dv = dys[0]
-    if dv is None:
-        return (None, None)
-    return (e.ScatterElements(e.zeros_like(x), n.outputs[1], dv, axis=attr(n, "axis", -1)), None)
-
-
-@register("Compress")
-def compress(n, dys, needs, e):
-    """y = the slices (or, without axis, the flattened elements) of x where condition is
-    true: the same Compress applied to the element numbers of x tells where each element of
-    y came from, and ScatterElements writes dy there into zeros."""
-    x, condition = n.inputs
-    (dy,) = dys
-    axis = attr(n, "axis")
-    picked = e.op("Compress", _ordinals(e, x), condition, axis=axis)
-    flat = e.ScatterElements(zeros(e, e.Reshape(e.Size(x), [1]), x), e.Reshape(picked, [-1]),
-                             e.Reshape(dy, [-1]), axis=0)
-    return reshape_like(e, flat, x), None
-
-
-@register("ReverseSequence")
-def reverse_sequence(n, dys, needs, e):
-    """Reversing the first sequence_lens[b] steps is its own inverse (and transpose):
-    dx = ReverseSequence(dy) with the same lengths and axes."""
-    (dy,) = dys
-    return (e.ReverseSequence(dy, n.inputs[1], batch_axis=attr(n, "batch_axis", 1),
-                              time_axis=attr(n, "time_axis", 0)), None)
-
-
-@register("OneHot")
-def one_hot(n, dys, needs, e):
-    """y = where(hot, on, off) with values = [off, on]: d values = [sum(dy) - sum(dy * hot),
-    sum(dy * hot)], hot = OneHot(indices, depth, [0, 1]). Float indices and depth are
-    piecewise constant: zero gradients."""
-    indices, depth, values = n.inputs
-    (dy,) = dys
-    dvalues = None
-    if needs[2]:
-        hot = e.OneHot(indices, depth, e.const(np.array([0.0, 1.0]), dtype=values.dtype or ir.DataType.FLOAT),
-                       axis=attr(n, "axis", -1))
-        on = e.Reshape(e.reduce("ReduceSum", e.Mul(dy, hot), None, keepdims=False), [1])
-        total = e.Reshape(e.reduce("ReduceSum", dy, None, keepdims=False), [1])
-        dvalues = e.Concat(e.Sub(total, on), on, axis=0)
-    return (e.zeros_like(indices) if needs[0] else None, e.zeros_like(depth) if needs[1] else None, dvalues)
-
-
-@register("Unique")
-def unique(n, dys, needs, e):
-    """Y = the distinct elements of X (flattened), or its distinct slices along axis;
-    inverse_indices maps every element (slice) of X to its entry of Y, counts[j] is how many
-    map to entry j. Where X's entries are distinct, Y is a permutation of them and
-    dX = dY[inverse_indices]. Entries that tie share one entry of Y (moving one alone changes
-    Y's shape: no derivative there); moving them together moves it, so each of the counts[j]
-    copies gets an even share: dX = (dY / counts)[inverse_indices]. The other outputs are
-    integers. Without the node's own inverse_indices and counts, a second Unique computes them."""
-    (x,) = n.inputs
-    dy = dys[0]
-    if dy is None:
-        return (None,)
-    axis = attr(n, "axis")
-    inverse, counts = (n.outputs[k] if len(n.outputs) > k and n.outputs[k].name else None for k in (2, 3))
-    if inverse is None or counts is None:
-        _, _, inverse, counts = e.op("Unique", x, outputs=4, axis=axis, sorted=attr(n, "sorted", 1))
-    if axis is None:
-        share = e.Div(dy, e.CastLike(counts, dy))
-        return (reshape_like(e, e.Gather(share, inverse), x),)
-    trailing = -1 - axis if axis < 0 else Dims(e, x).need_rank("Unique") - 1 - axis
-    share = e.Div(dy, e.Reshape(e.CastLike(counts, dy), [-1] + [1] * trailing))
-    return (e.Gather(share, inverse, axis=axis),)

@@ -29,7 +29,8 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, optional_input
-from gradbuilder.rules.sizes import INT64_MAX, Dims, cast_to, iadd, isub, reverse, scalar_of, stack
+from gradbuilder.rules.helpers import HALF_TYPES, cast_to, wants
+from gradbuilder.rules.sizes import INT64_MAX, Dims, iadd, isub, reverse, scalar_of, stack
 
 
 def _taps(e, x, length, k):
@@ -116,7 +117,7 @@ class _Unfolded:
 
 def _silu_slope(e, conv, like):
     """d silu(c) / dc = s (1 + c (1 - s)), in float32 for float16 / bfloat16."""
-    wide = ir.DataType.FLOAT if like.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else None
+    wide = ir.DataType.FLOAT if like.dtype in HALF_TYPES else None
     c = cast_to(e, conv, wide)
     s = e.Sigmoid(c)
     one = e.scalar(1.0, like=c)
@@ -130,8 +131,8 @@ def causal_conv_with_state(n, dys, needs, e):
     x, w = n.inputs[:2]
     bias, past = optional_input(n, 2), optional_input(n, 3)
     dy, d_present = (list(dys) + [None])[:2]
-    need_x, need_w, need_b = needs[0], needs[1], bias is not None and needs[2]
-    need_past = past is not None and needs[3]
+    need_x, need_w, need_b = needs[0], needs[1], wants(needs, 2)
+    need_past = wants(needs, 3)
     k, length = Dims(e, w)[2], Dims(e, x)[2]
     km1 = isub(e, k, 1)
     padded = e.Concat(past, x, axis=2) if past is not None else _pad_time(e, x, km1, 0)

@@ -1,4 +1,5 @@
-"""Shape ops: Reshape Flatten Transpose Squeeze Unsqueeze Concat Split Expand Tile Pad.
+"""Shape ops: Reshape Flatten Transpose Squeeze Unsqueeze Concat Split Expand Tile Pad
+ReverseSequence.
 
 Each gradient moves dy back through the same data movement in reverse. Sizes known to
 shape inference become constants; unknown sizes are read with Shape at run time (the size
@@ -12,6 +13,7 @@ import numpy as np
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input, unknown_rank
+from gradbuilder.rules.helpers import text_attr, wants
 from gradbuilder.rules.sizes import (
     INT64_MAX,
     Dims,
@@ -212,7 +214,7 @@ def _pad_constant_any_rank(n, dy, needs, e):
         dx = e.Pad(inner, e.Concat(crop_b, crop_a, axis=0), *([] if axes is None else [None, axes]))
     dvalue = None
     value = optional_input(n, 2)
-    if value is not None and len(needs) > 2 and needs[2]:
+    if wants(needs, 2):
         outside = e.Sub(e.reduce("ReduceSum", dy, None, keepdims=False),
                         e.reduce("ReduceSum", inner, None, keepdims=False))
         dvalue = reshape_like(e, outside, value)
@@ -228,9 +230,7 @@ def pad(n, dys, needs, e):
     d constant_value = sum(dy) - sum(dy over x's elements)."""
     x = n.inputs[0]
     (dy,) = dys
-    mode = attr(n, "mode", "constant")
-    if isinstance(mode, bytes):
-        mode = mode.decode()
+    mode = text_attr(n, "mode", "constant")
     dims = Dims(e, x)
     rank = dims.rank
     pads_dims = dims_of(n.inputs[1])
@@ -264,8 +264,17 @@ def pad(n, dys, needs, e):
 
     dx = pad_axes(e, inner, rank, crop_b, crop_a) if needs[0] else None
     dvalue = None
-    if mode == "constant" and len(n.inputs) > 2 and n.inputs[2] is not None and needs[2]:
+    if mode == "constant" and wants(needs, 2):
         outside = e.Sub(e.reduce("ReduceSum", dy, None, keepdims=False),
                         e.reduce("ReduceSum", inner, None, keepdims=False))
         dvalue = reshape_like(e, outside, n.inputs[2])
     return [dx, None, dvalue][: len(n.inputs)]
+
+
+@register("ReverseSequence")
+def reverse_sequence(n, dys, needs, e):
+    """Reversing the first sequence_lens[b] steps is its own inverse (and transpose):
+    dx = ReverseSequence(dy) with the same lengths and axes."""
+    (dy,) = dys
+    return (e.ReverseSequence(dy, n.inputs[1], batch_axis=attr(n, "batch_axis", 1),
+                              time_axis=attr(n, "time_axis", 0)), None)

@@ -19,11 +19,10 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, optional_input
+from gradbuilder.rules.helpers import accumulation_type, cast_to, const_like, wants
 from gradbuilder.rules.sizes import (
     Dims,
-    accumulation_type,
     as_int64,
-    cast_to,
     iadd,
     idiv,
     imax,
@@ -41,16 +40,9 @@ from gradbuilder.rules.sizes import (
 # ----------------------------------------------------------------------------- helpers
 
 
-def _typed(e, values, like):
-    """A float constant in the dtype of ``like`` (CastLike when it is unknown)."""
-    if like.dtype is not None:
-        return e.const(np.asarray(values, dtype=np.float64), dtype=like.dtype)
-    return e.CastLike(e.const(np.asarray(values, dtype=np.float64), dtype=ir.DataType.DOUBLE), like)
-
-
 def _conj(e, v):
     """Complex conjugate of (re, im) pairs on the last axis."""
-    return e.Mul(v, _typed(e, [1.0, -1.0], v))
+    return e.Mul(v, const_like(e, [1.0, -1.0], v))
 
 
 def _fit(e, v, axis, have, want, rank):
@@ -101,10 +93,10 @@ def _irfft_weights(e, count, bins, trailing, like):
         w[0] = 1.0
         if count % 2 == 0:
             w[-1] = 1.0
-        return _typed(e, w.reshape([-1] + [1] * trailing), like)
+        return const_like(e, w.reshape([-1] + [1] * trailing), like)
     k = e.Range(scalar_of(e, 0), scalar_of(e, bins), scalar_of(e, 1))
     ends = e.Or(e.Equal(k, e.ints([0])), e.Equal(e.Mul(k, e.ints([2])), vec(e, count)))
-    w = e.Where(ends, _typed(e, 1.0, like), _typed(e, 2.0, like))
+    w = e.Where(ends, const_like(e, 1.0, like), const_like(e, 2.0, like))
     return _along(e, w, trailing)
 
 
@@ -198,7 +190,7 @@ def stft(n, dys, needs, e):
     where = e.Add(e.Unsqueeze(starts, [1]), e.Unsqueeze(offsets, [0]))  # (F, W): f s + t
 
     dsignal = dwindow = None
-    if window is not None and needs[2]:
+    if wants(needs, 2):
         framed = e.Gather(signal, where, axis=1)  # (B, F, W, C)
         dwindow = e.reduce("ReduceSum", e.Mul(dz, framed), [0, 1, 3], keepdims=False)
     if needs[0]:

@@ -9,9 +9,12 @@ for the dynamic part:
 * ``iadd isub ineg imul idiv imod imax imin iclamp iwrap iprod``: arithmetic on sizes
   (adding 0 or multiplying by 1 emits nothing);
 * ``Dims(e, x)`` / ``dim(e, x, axis)``: the sizes of a value's axes; ``is_static``,
-  ``static_dims``; ``arange``; ``reshape_like``, ``reshape_to``, ``known`` (record a shape);
+  ``static_dims``; ``arange``, ``ordinals``; ``reshape_like``, ``reshape_to``, ``known`` (record a shape);
 * pieces built on them: ``zeros``, ``pad_axes``, ``pad_axis``, ``slice_axes``, ``reverse``,
-  ``cast_to``, ``as_int64``, ``int_entries``, ``accumulation_type``.
+  ``as_int64``, ``int_entries``.
+
+A helper module: it registers no rule. Dtypes (``cast_to``, ``compute_type``, ...) and the
+other value helpers are in :mod:`gradbuilder.rules.helpers`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from gradbuilder.compiler.values import constant_of, dims_of, unknown_rank
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
-HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -251,19 +253,6 @@ def reverse(e, v, axes):
     return slice_axes(e, v, [-1] * len(axes), [INT64_MIN] * len(axes), axes, [-1] * len(axes))
 
 
-def accumulation_type(like, unique):
-    """Scatter with reduction="add" runs in float32 for float16/bfloat16: onnxruntime's CPU
-    kernels lack those types, and float32 sums are more accurate."""
-    if not unique and like.dtype in HALF_TYPES:
-        return ir.DataType.FLOAT
-    return like.dtype
-
-
-def cast_to(e, v, dtype):
-    """``v`` as ``dtype`` (unchanged when it already is, when dtype is unknown, or when v is None)."""
-    return v if v is None or dtype is None or v.dtype == dtype else e.Cast(v, to=int(dtype))
-
-
 # ----------------------------------------------------------------------------- axes of a value
 
 
@@ -275,6 +264,12 @@ def arange(e, stop, like=None):
         return e.const(np.arange(stop), dtype=like.dtype or ir.DataType.FLOAT)
     out = e.Range(e.const(np.array(0, np.int64)), e.Reshape(stop, e.ints([])), e.const(np.array(1, np.int64)))
     return out if like is None else e.CastLike(out, like)
+
+
+def ordinals(e, like):
+    """0, 1, 2, ... (int64) in the shape of ``like``: the row-major number of each element."""
+    count = e.Size(like)
+    return reshape_like(e, e.Range(scalar_of(e, 0), e.Reshape(count, []), scalar_of(e, 1)), like)
 
 
 _DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # emitter -> {(value, axis): tensor}

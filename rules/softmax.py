@@ -10,12 +10,7 @@ import onnx_ir as ir
 
 from gradbuilder.compiler.registry import FINITE_INPUT, register
 from gradbuilder.compiler.values import attr
-from gradbuilder.rules.sizes import cast_to
-
-
-def _sum(e, n, v):
-    """``v`` summed over the node's axis, keepdims."""
-    return e.reduce("ReduceSum", v, [attr(n, "axis", -1)], keepdims=True)
+from gradbuilder.rules.helpers import cast_to, sum_over
 
 
 def _nan_to_zero(e, y):
@@ -33,7 +28,7 @@ def softmax(n, dys, needs, e):
     (dy,) = dys
     if not n.meta.get(FINITE_INPUT):
         y = _nan_to_zero(e, y)
-    return (e.Mul(y, e.Sub(dy, _sum(e, n, e.Mul(dy, y)))),)
+    return (e.Mul(y, e.Sub(dy, sum_over(e, e.Mul(dy, y), [attr(n, "axis", -1)]))),)
 
 
 @register("LogSoftmax", since=13)
@@ -44,4 +39,4 @@ def log_softmax(n, dys, needs, e):
     p = e.Exp(y)
     if not n.meta.get(FINITE_INPUT):
         p = _nan_to_zero(e, p)
-    return (e.Sub(dy, e.Mul(p, _sum(e, n, dy))),)
+    return (e.Sub(dy, e.Mul(p, sum_over(e, dy, [attr(n, "axis", -1)]))),)

@@ -29,39 +29,14 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input, unknown_rank
-from gradbuilder.rules.sizes import (
-    HALF_TYPES,
-    Dims,
-    accumulation_type,
-    as_int64,
-    cast_to,
-    iprod,
-    isub,
-    reshape_like,
-    scalar_of,
-    stack,
-    vec,
-    zeros,
-)
-
-
-def _text(n, name, default):
-    v = attr(n, name, default)
-    return v.decode() if isinstance(v, bytes) else v
-
-
-def _compute_type(v) -> ir.DataType:
-    """float32 for 16-bit floats (and unknown types), else v's own float type."""
-    return v.dtype if v.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE) else ir.DataType.FLOAT
+from gradbuilder.rules.helpers import HALF_TYPES, accumulation_type, cast_to, float_type, rank_of, text_attr, wants
+from gradbuilder.rules.sizes import Dims, as_int64, iprod, isub, reshape_like, scalar_of, stack, vec, zeros
 
 
 def _spatial_rank(*values):
     """The number of spatial axes: rank - 2 of the first value with a known rank."""
-    for v in values:
-        d = dims_of(v) if v is not None else None
-        if d is not None:
-            return len(d) - 2
-    return None
+    rank = rank_of(*values)
+    return None if rank is None else rank - 2
 
 
 # ----------------------------------------------------------------------------- rearrangements
@@ -74,7 +49,7 @@ def depth_to_space(n, dys, needs, e):
     as [N, C, H, b, W, b], transposed to [N, C, b, b, H, W] and viewed as x."""
     (dy,) = dys
     b = attr(n, "blocksize")
-    if _text(n, "mode", "DCR") != "CRD":
+    if text_attr(n, "mode", "DCR") != "CRD":
         return (e.SpaceToDepth(dy, blocksize=b),)
     d = Dims(e, n.inputs[0])
     blocks = e.Reshape(dy, stack(e, [d[0], -1, d[2], b, d[3], b]))
@@ -86,7 +61,7 @@ def space_to_depth(n, dys, needs, e):
     """SpaceToDepth is undone by DepthToSpace in the same mode (``mode``, DCR or CRD, since
     opset 28; DCR before): dx = DepthToSpace(dy, mode). Both move x[n, c, h*b + i, w*b + j]
     to channel (i*b + j)*C + c (DCR) or c*b*b + i*b + j (CRD), DepthToSpace back."""
-    mode = _text(n, "mode", "DCR")
+    mode = text_attr(n, "mode", "DCR")
     if mode not in ("DCR", "CRD"):
         raise GradientRuleError(f"SpaceToDepth '{n.name}': mode {mode} has no gradient rule")
     return (e.DepthToSpace(dys[0], blocksize=attr(n, "blocksize"), mode=mode),)
@@ -117,7 +92,7 @@ def col2im(n, dys, needs, e):
     [K, 1, *block_shape]) is [N*C, K, blocks...], which is x's layout."""
     x, _, block_shape = n.inputs[:3]
     (dy,) = dys
-    ct = ir.DataType.FLOAT if dy.dtype in HALF_TYPES or dy.dtype is None else dy.dtype
+    ct = float_type(dy)
     block = constant_of(block_shape)
     if block is not None:
         k = int(np.prod(block))
@@ -318,7 +293,7 @@ def _taps(e, n, x, length, ct, stretch=None):
     min(scale, 1) and o from f = floor(-R / t) + 1 to 1 - f (R the kernel's radius: the
     kernel stretched by 1 / t); exclude_outside drops the taps outside [0, length)
     before the sum."""
-    mode = _text(n, "mode", "nearest")
+    mode = text_attr(n, "mode", "nearest")
     last = e.Sub(_real(e, length, ct), e.scalar(1.0, like=x))
     zero = e.scalar(0.0, like=x)
 
@@ -327,7 +302,7 @@ def _taps(e, n, x, length, ct, stretch=None):
 
     if mode == "nearest":
         half = e.scalar(0.5, like=x)
-        rounding = _text(n, "nearest_mode", "round_prefer_floor")
+        rounding = text_attr(n, "nearest_mode", "round_prefer_floor")
         tap = {"round_prefer_floor": lambda: e.Ceil(e.Sub(x, half)),  # halves down
                "round_prefer_ceil": lambda: e.Floor(e.Add(x, half)),  # halves up
                "floor": lambda: e.Floor(x), "ceil": lambda: e.Ceil(x)}[rounding]()
@@ -422,18 +397,18 @@ def resize(n, dys, needs, e):
         raise unknown_rank(x, "Resize")
     axes = [int(a) % rank for a in axes_attr] if axes_attr else list(range(rank))
 
-    mode = _text(n, "mode", "nearest")
-    ctm = _text(n, "coordinate_transformation_mode", "half_pixel")
+    mode = text_attr(n, "mode", "nearest")
+    ctm = text_attr(n, "coordinate_transformation_mode", "half_pixel")
     crop = ctm == "tf_crop_and_resize"
     if crop and _is_empty(roi):
         raise GradientRuleError(f"Resize '{n.name}': tf_crop_and_resize without a roi")
-    policy = _text(n, "keep_aspect_ratio_policy", "stretch") if use_sizes else "stretch"
+    policy = text_attr(n, "keep_aspect_ratio_policy", "stretch") if use_sizes else "stretch"
     given_c = constant_of(given)
     plan = _aspect_plan(d, axes, given_c, policy) if policy != "stretch" else None
     explicit = policy != "stretch" and plan is None
-    hd = ir.DataType.DOUBLE if x.dtype == ir.DataType.DOUBLE else ir.DataType.FLOAT
-    want_scales = len(needs) > 2 and needs[2] and not use_sizes and mode != "nearest"
-    want_roi = len(needs) > 1 and needs[1] and crop and mode != "nearest"
+    hd = float_type(x)
+    want_scales = wants(needs, 2) and not use_sizes and mode != "nearest"
+    want_roi = wants(needs, 1) and crop and mode != "nearest"
     antialias = bool(attr(n, "antialias", 0)) and mode != "nearest" and e.opset >= 18
     out_dims = Dims(e, n.outputs[0])
 
@@ -532,7 +507,7 @@ def resize(n, dys, needs, e):
         if want_roi:
             grads[1] = cast_to(e, e.Concat(*dstart, *dend, axis=0), roi.dtype)
     for i in (1, 2):
-        if grads[i] is None and len(needs) > i and needs[i] and optional_input(n, i) is not None:
+        if grads[i] is None and wants(needs, i):
             grads[i] = e.zeros_like(n.inputs[i])  # nearest (piecewise constant), roi unused, scales unused
     return grads[: len(n.inputs)]
 
@@ -684,9 +659,9 @@ def grid_sample(n, dys, needs, e):
     (length - 1) / 2 or length / 2; zero for nearest."""
     x, grid = n.inputs
     (dy,) = dys
-    mode = _text(n, "mode", "linear")
+    mode = text_attr(n, "mode", "linear")
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)  # opset 16 names
-    padding = _text(n, "padding_mode", "zeros")
+    padding = text_attr(n, "padding_mode", "zeros")
     align = int(attr(n, "align_corners", 0))
     if mode not in _OFFSETS or padding not in ("zeros", "border", "reflection"):
         raise GradientRuleError(f"GridSample '{n.name}': mode {mode} / padding_mode {padding} has no gradient rule")
@@ -696,7 +671,7 @@ def grid_sample(n, dys, needs, e):
         r = gd[-1]
     if r is None:
         raise unknown_rank(x, "GridSample")
-    ct = _compute_type(grid)
+    ct = float_type(grid)
     xd = Dims(e, x)
     lengths = [xd[2 + a] for a in range(r)]
     batch, channels = xd[0], xd[1]

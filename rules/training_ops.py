@@ -16,6 +16,7 @@ import numpy as np
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr
+from gradbuilder.rules.helpers import text_attr
 
 TRAINING = "ai.onnx.preview.training"
 
@@ -153,8 +154,7 @@ def momentum(n, dys, needs, e):
     nc = attr(n, "norm_coefficient", 0.0)
     alpha = attr(n, "alpha", 0.0)
     beta = attr(n, "beta", 1.0)
-    mode = attr(n, "mode", "standard")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = text_attr(n, "mode", "standard")
     nesterov = mode != "standard"
     m, groups, douts = _groups(n, dys, 3)
     like = n.inputs[2]

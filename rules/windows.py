@@ -1,4 +1,5 @@
 """Window geometry of the sliding-window ops (Conv, ConvTranspose, the pools, LpPool, RoiAlign).
+A helper module: it registers no rule.
 
 Each spatial axis is described in a *padded frame*: the input occupies frame positions
 ``[b, b + size)`` (``b`` the head padding) and window ``o`` reads positions ``o*s + k*d``

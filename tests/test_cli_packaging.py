@@ -54,6 +54,15 @@ def test_package_files():
     assert "-n auto" not in re.search(r"^addopts = (.*)$", pyproject, re.M).group(1)
 
 
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages the wheel holds: every folder with an __init__.py."""
+    block = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S).group(1)
+    listed = set(re.findall(r'"([^"]+)"', block))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "gradbuilder").rglob("__init__.py")}
+    found |= {"gradbuilder.rules"} if (ROOT / "rules" / "__init__.py").is_file() else set()
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
 def test_ci_runs_the_readme_quick_start():
     """.ci/run reads the quick start's commands from the README: one line each, the second
     installs the test extras and runs the tests in parallel."""

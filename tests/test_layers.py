@@ -70,6 +70,66 @@ def test_rules_import_only_the_compiler_and_the_foundations():
     assert not bad, bad
 
 
+def _modules(package: pathlib.Path = PACKAGE, rules: pathlib.Path = RULES) -> dict[str, pathlib.Path]:
+    """Every module of the package (the rules as ``gradbuilder.rules.*``) -> its file."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted(rules.glob("*.py")):
+        out["gradbuilder.rules" if path.stem == "__init__" else f"gradbuilder.rules.{path.stem}"] = path
+    return out
+
+
+def _import_graph(package: pathlib.Path = PACKAGE, rules: pathlib.Path = RULES):
+    """module -> the gradbuilder modules it imports, at the top or inside a function (a lazy
+    import is a circle all the same). ``from x import y`` is an edge to ``x.y`` when that is a
+    module, else to ``x``; importing a package the module lies in is no edge (it is imported
+    before the module anyway)."""
+    import networkx as nx
+
+    modules = _modules(package, rules)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        package_name = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package_name.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+        graph.add_edges_from((name, t) for t in targets
+                             if t in modules and t != name and not name.startswith(t + "."))
+    return graph
+
+
+def test_no_import_cycle_among_gradbuilder_modules():
+    import networkx as nx
+
+    graph = _import_graph()
+    cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert not cycles, [nx.find_cycle(graph.subgraph(c)) for c in cycles]
+
+
+def test_a_pass_imports_neither_the_pipeline_nor_the_builder():
+    """Passes sit below the pipeline that lists them and the builder that runs it: a pass
+    that reaches either (directly, lazily or through another module) closes a circle."""
+    import networkx as nx
+
+    graph = _import_graph()
+    above = {"gradbuilder.compiler.pipeline", "gradbuilder.compiler.builder", "gradbuilder.compiler.split",
+             "gradbuilder.compiler.cuts"}
+    bad = {name: sorted(nx.descendants(graph, name) & above) for name in graph
+           if name.startswith("gradbuilder.compiler.passes")}
+    assert not {k: v for k, v in bad.items() if v}, bad
+
+
 @pytest.mark.parametrize("name", ["gradbuilder.tests", "gradbuilder.tools", "gradbuilder.docs"])
 def test_nothing_outside_the_package_is_importable_as_gradbuilder(name):
     with pytest.raises(ModuleNotFoundError):

@@ -10,6 +10,8 @@ import pytest
 from onnx import helper
 
 from gradbuilder.runtime import providers
+from gradbuilder.runtime.providers import discovery
+from gradbuilder.runtime.providers import sessions as session_cache
 from gradbuilder.errors import InvalidArgumentError, ProviderError
 
 from .helpers import make_model, vi
@@ -21,10 +23,10 @@ CUDA = "CUDAExecutionProvider"
 @pytest.fixture
 def fresh(monkeypatch):
     """Start from an empty probe cache, warning memory, session cache and plugin list."""
-    monkeypatch.setattr(providers, "_probe_results", {})
+    monkeypatch.setattr(discovery, "_probe_results", {})
     monkeypatch.setattr(providers, "_warned", set())
-    monkeypatch.setattr(providers, "_sessions", {})
-    monkeypatch.setattr(providers, "_plugin_libs", {})
+    monkeypatch.setattr(session_cache, "_sessions", {})
+    monkeypatch.setattr(discovery, "_plugin_libs", {})
 
 
 def add_model_bytes(const=1.0):
@@ -237,7 +239,7 @@ def test_cached_session_never_caches_profiling(fresh, tmp_path, monkeypatch):
     a = providers.cached_session(model, options, [CPU], [{}])
     b = providers.cached_session(model, options, [CPU], [{}])
     assert a is not b
-    assert providers._sessions == {}
+    assert session_cache._sessions == {}
     a.end_profiling()
     b.end_profiling()
 
@@ -246,7 +248,7 @@ def test_clear_training_ep_instances(fresh):
     model = add_model_bytes()
     a = providers.cached_session(model, None, [CPU], [{}])
     providers.clear_training_ep_instances()
-    assert providers._sessions == {}
+    assert session_cache._sessions == {}
     assert providers.cached_session(model, None, [CPU], [{}]) is not a
 
 
@@ -278,7 +280,7 @@ def test_register_missing_library(fresh, tmp_path):
     missing = tmp_path / "libnothere.so"
     with pytest.raises(ProviderError, match="libnothere.so"):
         providers.register_provider_lib("NotHere", str(missing))
-    assert providers._plugin_libs == {}
+    assert discovery._plugin_libs == {}
 
 
 def test_register_non_library_file(fresh, tmp_path):
@@ -288,7 +290,7 @@ def test_register_non_library_file(fresh, tmp_path):
         providers.register_provider_lib("NotALib", str(text))
     assert str(text) in str(info.value)
     assert "Failed to load library" in str(info.value)  # onnxruntime's own message
-    assert providers._plugin_libs == {}
+    assert discovery._plugin_libs == {}
     with pytest.raises(ProviderError, match="NotALib"):
         providers.resolve_providers(["NotALib"])
 
@@ -312,7 +314,7 @@ def test_registered_plugin_bookkeeping(fresh, monkeypatch, tmp_path):
     providers.register_provider_lib("PluginEP", str(lib), {"a": 1, "b": 1})
     assert calls == [("register", "PluginEP", str(lib))]
 
-    providers._probe_results["PluginEP"] = True  # as if the probe had found it working
+    discovery._probe_results["PluginEP"] = True  # as if the probe had found it working
     names, options = providers.resolve_providers([("PluginEP", {"b": 2})])
     assert names == ["PluginEP", CPU]
     assert options == [{"a": "1", "b": "2"}, {}]

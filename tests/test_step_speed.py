@@ -100,7 +100,7 @@ def test_bound_state_steps_are_bit_identical_to_unbound_ones(monkeypatch, accumu
         return TrainingSession(_model(), params, providers=CPU)
 
     bound, fresh = session(), session()
-    monkeypatch.setattr(fresh, "_bound", lambda kind, graph, state, per_run, run_options, into={}:
+    monkeypatch.setattr(fresh._executor, "_bound", lambda kind, graph, state, per_run, run_options, into={}:
                         graph.run({**state, **per_run}, None, run_options))
     rng = np.random.default_rng(0)
     batches = [{"x": rng.standard_normal((4, 3)).astype(np.float32), "t": rng.standard_normal((4, 2)).astype(np.float32)}

@@ -8,7 +8,7 @@ Two kinds of generated model:
 - ``synthetic``: the same architecture written directly with onnx.helper at d 64, with
   static reshapes, so nearly every node is differentiable: a stress test of the walk.
 
-Each size runs in a fresh subprocess so peak memory (ru_maxrss) is that build's alone.
+Each size runs in a fresh subprocess so peak memory (VmHWM) is that build's alone.
 Reports load / differentiate / serialize times, total, peak RSS against the target
 (3 x model file size + 200 MB), and the growth of time per node between sizes.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-NODES_PER_LAYER = 45  # measured by make_transformer below, printed by --count
+from gradbuilder.testing import resident_bytes
 
 
 def make_transformer(layers: int, d: int = 64, heads: int = 4, ff: int = 128, seq: int = 16,
@@ -150,11 +149,7 @@ def layers_for(kind: str, nodes: int) -> int:
 def _peak_rss_mb() -> float:
     """This process's peak resident memory. VmHWM, not ru_maxrss: after fork+exec, ru_maxrss
     still carries the parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return resident_bytes("VmHWM") / 2**20
 
 
 def _child(path: str) -> None:

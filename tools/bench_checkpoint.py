@@ -33,28 +33,7 @@ import sys
 import tempfile
 import time
 
-
-def pressure() -> str:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return "unavailable"
-
-
-def avg10(reading: str) -> float:
-    for field in reading.split():
-        if field.startswith("avg10="):
-            return float(field[len("avg10="):])
-    return float("nan")
-
-
-def status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+from benchlib import avg10, pressure_line
 
 
 def old_module(source: str):
@@ -90,6 +69,7 @@ def write(kind: str, path: str, mb: int, source: str | None) -> None:
 
 def load(kind: str, path: str, source: str | None) -> dict:
     from gradbuilder.runtime import checkpoint
+    from gradbuilder.testing import reset_peak, resident_bytes
     from safetensors.numpy import load_file
 
     if kind == "safetensors":
@@ -99,16 +79,15 @@ def load(kind: str, path: str, source: str | None) -> dict:
     else:
         fn = checkpoint.load
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current resident size
+        reset_peak()  # VmHWM made the current resident size
     except OSError:
         pass
-    base = status_kb("VmRSS")
+    base = resident_bytes("VmRSS")
     t0 = time.perf_counter()
     out = fn(path)
     seconds = time.perf_counter() - t0
     tensors = out[0] if isinstance(out, tuple) else out
-    peak_mb = (status_kb("VmHWM") - base) / 1024
+    peak_mb = (resident_bytes("VmHWM") - base) / 2**20
     assert len(tensors) == 97 and tensors["layer3.weight.exp_avg_sq"].min() >= 0
     return {"seconds": seconds, "peak_mb": peak_mb}
 
@@ -140,7 +119,7 @@ def main() -> int:
     if args.child:
         return child(args)
 
-    before = pressure()
+    before = pressure_line()
     print(f"/proc/pressure/cpu before: {before}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         files = {"gradbuilder": os.path.join(tmp, "new.safetensors")}
@@ -160,7 +139,7 @@ def main() -> int:
             for kind, path in contenders.items():
                 results[kind].append(run_child("--child", "load", "--kind", kind, "--path", path, *extra))
         size = os.path.getsize(files["gradbuilder"]) / 2**20
-    after = pressure()
+    after = pressure_line()
 
     ref = statistics.median(r["seconds"] for r in results["safetensors"])
     print(f"checkpoint: {size:.0f} MB, {args.rounds} rounds, each load in a fresh process")

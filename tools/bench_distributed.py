@@ -35,7 +35,6 @@ import numpy as np
 
 import benchlib
 
-HERE = Path(__file__).resolve().parent
 MODES = {"single": 1, "pair": 2, "dp": 2, "zero1": 2, "pipeline": 2}
 BATCH = 8
 
@@ -62,7 +61,7 @@ def child(args) -> None:
     batch = dict(np.load(args.batch))
     feeds = batch if args.child in ("single", "pipeline") else {n: np.array_split(v, world)[rank] for n, v in batch.items()}
     times, comm = [], []
-    dist = sess._dist
+    dist = sess._executor if hasattr(sess._executor, "comm") else None  # a distributed executor: its collectives
     for step in range(args.warmup + args.steps):
         before = 0.0 if dist is None else dist.comm.seconds + (dist.norm_comm.seconds if dist.norm_comm is not dist.comm else 0)
         t0 = time.perf_counter()
@@ -115,14 +114,13 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    sys.path.insert(0, str(HERE))
     import torch
 
-    import bench_train
+    import benchmodels  # torch's models: imported here, the ranks do not need them
 
     torch.manual_seed(0)
-    module = bench_train.build_transformer().eval()
-    batch = bench_train.make_batch("transformer")
+    module = benchmodels.build_transformer().eval()
+    batch = benchmodels.make_batch("transformer")
     with tempfile.TemporaryDirectory() as tmp:
         # the exporter fixes the batch size in the graph: one model per rows a graph runs on
         models = {}
@@ -130,7 +128,7 @@ def main() -> None:
             rows = BATCH // (args.micro if mode == "pipeline" else MODES[mode])
             models[mode] = os.path.join(tmp, f"transformer{rows}.onnx")
             if not os.path.exists(models[mode]):
-                Path(models[mode]).write_bytes(bench_train.export_onnx(module, {n: v[:rows] for n, v in batch.items()},
+                Path(models[mode]).write_bytes(benchmodels.export_onnx(module, {n: v[:rows] for n, v in batch.items()},
                                                                        "eval"))
         data = os.path.join(tmp, "batch.npz")
         np.savez(data, **batch)
@@ -143,7 +141,7 @@ def main() -> None:
                     return launch(mode, models[mode], data, args)
 
                 result, before, after = benchlib.measured_round(one, f"round {r + 1} {mode}")
-                print(f"  round {r + 1} {mode:<9} cpu pressure {before:.2f}% -> {after:.2f}%")
+                print(benchlib.round_line(f"round {r + 1} {mode:<9}", before, after))
                 for k in ("times", "comm"):
                     got[mode][k] += result[k]
     print(f"\n{'mode':<10} {'step ms':>8} {'samples/s':>10} {'efficiency':>11} {'in collectives':>15}")

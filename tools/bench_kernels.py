@@ -142,7 +142,7 @@ def contest(name: str, args) -> None:
             return got
 
         got, before, after = benchlib.measured_round(one_round, f"round {r + 1}")
-        print(f"  round {r + 1}: cpu pressure {before:.2f}% -> {after:.2f}%")
+        print(benchlib.round_line(f"round {r + 1}:", before, after))
         for k in sessions:
             times[k] += got[k]
     med = [1e3 * statistics.median(v) for v in times.values()]

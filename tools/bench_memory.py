@@ -37,11 +37,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train as bt  # noqa: E402  (the models and helpers are shared)
-import benchlib  # noqa: E402
-
-from gradbuilder import TrainingParameters, TrainingSession  # noqa: E402
+import benchlib
+import benchmodels as bt  # the models and helpers bench_train uses too
+from gradbuilder import TrainingParameters, TrainingSession
 
 CONFIGS = {
     "none": {},

@@ -6,7 +6,7 @@ transformer of ``bench_train.py``, side by side in one process.
     python tools/bench_ortmodule.py --device cuda
     python tools/bench_ortmodule.py --steps 3 --warmup 1 --seq 64       # a quick smoke run
 
-The model is ``bench_train.EncoderClassifier`` (Embedding(8000, 256) + learned positions
+The model is ``benchmodels.EncoderClassifier`` (Embedding(8000, 256) + learned positions
 [seq, 256] + 4 x TransformerEncoderLayer(256, 4 heads, ff 1024, dropout 0, batch_first) + mean
 over the sequence + Linear(256, 10)), built once from ``torch.manual_seed(0)``; each contender
 trains its own deep copy, so both start from the same weights:
@@ -24,7 +24,7 @@ the same batch. ``torch.set_num_threads(--threads)`` for both.
 Each contender runs its ``--warmup`` steps (the ORTModule's first step exports the module,
 builds the forward and backward graphs and their onnxruntime sessions), then the ``--steps``
 measured steps run in ``--rounds`` rounds in which the contenders take turns, so background
-load on the machine hits both alike (``bench_train.run_interleaved``). On CUDA the device is
+load on the machine hits both alike (``benchmodels.run_interleaved``). On CUDA the device is
 synchronized before and after every timed step.
 
 Printed numbers:
@@ -47,8 +47,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import sys
 import time
 
 import numpy as np
@@ -56,10 +54,8 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train as bt  # noqa: E402  (the model and helpers are shared)
-
-from gradbuilder.ortmodule import ORTModule  # noqa: E402
+import benchmodels as bt  # the model and helpers bench_train uses too
+from gradbuilder.ortmodule import ORTModule
 
 
 def make_batches(n: int, batch: int, seq: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,7 +66,7 @@ def make_batches(n: int, batch: int, seq: int, device: str) -> list[tuple[torch.
 
 
 class Trainer:
-    """One contender for ``bench_train.timed_steps``: step() trains on the next batch and returns
+    """One contender for ``benchmodels.timed_steps``: step() trains on the next batch and returns
     the loss tensor; the first forward call is timed on its own."""
 
     def __init__(self, model: torch.nn.Module, batches, device: str):
@@ -104,7 +100,7 @@ class Trainer:
 
 
 def loss_rel_diff(reference: list[float], other: list[float]) -> tuple[float, int, float]:
-    """bench_train.loss_rel_diff over every step, the floor 1e-3 x the reference's first loss."""
+    """benchmodels.loss_rel_diff over every step, the floor 1e-3 x the reference's first loss."""
     return bt.loss_rel_diff(reference, other, bt.LOSS_FLOOR * abs(reference[0]))
 
 

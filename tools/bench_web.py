@@ -105,7 +105,7 @@ def main() -> None:
         for r in range(args.rounds):
             for name, run in contenders.items():
                 rate, before, after = benchlib.measured_round(run, f"round {r + 1} {name}")
-                print(f"  round {r + 1} {name:<16} cpu pressure {before:.2f}% -> {after:.2f}%: "
+                print(benchlib.round_line(f"round {r + 1} {name:<16}", before, after) + ": "
                       + (f"{rate:.1f} steps/s" if rate else "not available"))
                 rates[name].append(rate)
         if args.screenshot:  # a run that draws the test accuracy as it goes, not timed

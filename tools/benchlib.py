@@ -17,21 +17,38 @@ import time
 MAX_PRESSURE = 10.0  # percent, "some" avg10
 
 
-def pressure() -> float:
-    """``/proc/pressure/cpu`` "some" avg10 in percent (nan where the kernel has no PSI)."""
+def pressure_line() -> str:
+    """The first line of ``/proc/pressure/cpu`` ("some avg10=... avg60=... avg300=... total=..."),
+    "unavailable" where the kernel has no PSI."""
     try:
         with open("/proc/pressure/cpu") as f:
-            for field in f.readline().split():
-                if field.startswith("avg10="):
-                    return float(field[len("avg10="):])
+            return f.readline().strip()
     except OSError:
-        pass
+        return "unavailable"
+
+
+def avg10(line: str) -> float:
+    """The "some" avg10 of a :func:`pressure_line` in percent (nan where it has none)."""
+    for field in line.split():
+        if field.startswith("avg10="):
+            return float(field[len("avg10="):])
     return float("nan")
+
+
+def pressure() -> float:
+    """``/proc/pressure/cpu`` "some" avg10 in percent (nan where the kernel has no PSI)."""
+    return avg10(pressure_line())
 
 
 def reading() -> str:
     """Pressure and load average, for printing beside the figures."""
     return f"cpu pressure {pressure():.2f}%, load {os.getloadavg()[0]:.2f}"
+
+
+def round_line(label: str, before: float, after: float) -> str:
+    """The line printed after each measured round: ``label`` and the pressure read before and
+    after it (what :func:`measured_round` returns)."""
+    return f"  {label} cpu pressure {before:.2f}% -> {after:.2f}%"
 
 
 def calm(max_pressure: float = MAX_PRESSURE, wait_s: float = 30.0) -> None:

@@ -123,10 +123,10 @@ def nondifferentiable_at(model, weights, loss, feeds, h=1e-6, max_elements=48, s
     a rounding boundary), or a step changes an output's shape or makes it non-finite.
     Quotients that are not steady on either side are noise, not evidence. Gives up ("")
     after ``seconds``."""
-    from gradbuilder.testing import _evaluator, _forward_model, to_float64
+    from gradbuilder.testing import forward_model, reference_evaluator, to_float64
 
     proto = to_float64(model)
-    run = _evaluator(_forward_model(proto, weights, loss)).run
+    run = reference_evaluator(forward_model(proto, weights, loss)).run
     base = {k: (np.asarray(v).astype(np.float64) if _is_float(v) else v) for k, v in feeds.items()}
 
     def f(name, value):

@@ -14,14 +14,12 @@ import onnx_ir as ir
 
 from . import registry
 from ..errors import GradientRuleError, UnsupportedOpError
-from .values import FLOAT_TYPES, dims_of
 from .emitter import Emitter
+from .traversal import captures, is_float, node_inputs, reached_from
+from .values import dims_of
 
-
-def is_float(value: ir.Value) -> bool:
-    # An unknown dtype is treated as float: shape inference leaves few of those, and a
-    # rule sees the real tensor at run time.
-    return value.dtype is None or value.dtype in FLOAT_TYPES
+__all__ = ["differentiate", "walk", "GradientResult", "node_label",
+           "captures", "is_float", "node_inputs"]  # the last three are compiler.traversal's, kept here for rules
 
 
 @dataclasses.dataclass
@@ -64,53 +62,20 @@ class _Accumulator:
         return total
 
 
-def node_inputs(node: ir.Node) -> list[ir.Value | None]:
-    """The node's inputs, then the outer values its subgraphs capture (If/Loop/Scan bodies
-    read outer values directly): gradients flow into both."""
-    captured = captures(node)
-    return list(node.inputs) + captured if captured else list(node.inputs)
-
-
-def captures(node: ir.Node) -> list[ir.Value]:
-    inner: set[int] = set()
-    graphs = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs.append(attr.value)
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attr.value)
-    if not graphs:
-        return []
-    for g in graphs:
-        inner.add(id(g))
-        for n in ir.traversal.RecursiveGraphIterator(g):
-            for a in n.attributes.values():
-                if a.type == ir.AttributeType.GRAPH:
-                    inner.add(id(a.value))
-                elif a.type == ir.AttributeType.GRAPHS:
-                    inner.update(id(x) for x in a.value)
-    seen: dict[ir.Value, None] = {}
-    for g in graphs:
-        for n in ir.traversal.RecursiveGraphIterator(g):
-            for v in n.inputs:
-                if v is not None and id(v.graph) not in inner and v not in seen:
-                    seen[v] = None
-    return list(seen)
-
-
 def differentiate(
     graph: ir.Graph,
     weights: list[ir.Value],
     loss: ir.Value,
-    opset: int,
     e: Emitter,
+    *,
     stop_gradients: frozenset[ir.Value] = frozenset(),
     eager_sums: bool = False,
 ) -> GradientResult:
-    """Append to ``graph`` the nodes computing d(loss)/d(weight) for every weight.
-    ``eager_sums``: add each gradient contribution to its value's running sum at once
-    (``use_memory_efficient_gradient``) instead of one Sum when the total is first read."""
-    grads = walk(graph, weights, {loss: None}, opset, e, stop_gradients, eager_sums)
+    """Append to ``graph``, through ``e`` (which knows the opset), the nodes computing
+    d(loss)/d(weight) for every weight. ``eager_sums``: add each gradient contribution to its
+    value's running sum at once (``use_memory_efficient_gradient``) instead of one Sum when the
+    total is first read."""
+    grads = walk(graph, weights, {loss: None}, e, stop_gradients=stop_gradients, eager_sums=eager_sums)
     result: dict[str, ir.Value] = {}
     unreached: list[str] = []
     for w in weights:
@@ -126,12 +91,13 @@ def walk(
     graph: ir.Graph,
     wrt: list[ir.Value],
     seeds: dict[ir.Value, ir.Value | None],
-    opset: int,
     e: Emitter,
+    *,
     stop_gradients: frozenset[ir.Value] = frozenset(),
     eager_sums: bool = False,
 ) -> dict[ir.Value, ir.Value]:
-    """Gradients of sum(seed_v * v) over ``seeds`` w.r.t. ``wrt``, emitted through ``e``.
+    """Gradients of sum(seed_v * v) over ``seeds`` w.r.t. ``wrt``, emitted through ``e`` (at
+    its opset).
 
     ``graph`` is the graph to walk back through, or any topologically ordered list of nodes
     (a rule walking back through nodes it copied from a subgraph).
@@ -139,17 +105,13 @@ def walk(
     A seed of None means ones (a scalar loss). Values of ``wrt`` that no seed reaches are
     absent from the result.
     """
+    opset = e.opset
     nodes = list(graph)
     inputs_of = {id(n): node_inputs(n) for n in nodes}
 
     # 1. Forward: values that depend (through float values) on one of ``wrt``.
-    reached: set[ir.Value] = set(wrt)
-    for node in nodes:
-        stops_here = registry.stop_gradient_edges(node.domain, node.op_type)
-        if any(v in reached for i, v in enumerate(inputs_of[id(node)]) if v is not None and i not in stops_here):
-            for out in node.outputs:
-                if is_float(out) and out not in stop_gradients:
-                    reached.add(out)
+    reached = reached_from(nodes, wrt, inputs_of=lambda node: inputs_of[id(node)], stop_edges=_stop_edges,
+                           stop_values=stop_gradients).values
 
     # 2. Backward: nodes between ``wrt`` and the seeds.
     needed: set[ir.Value] = {v for v in seeds if v in reached}
@@ -183,6 +145,10 @@ def walk(
                 e.typed(grad, value.dtype, dims_of(value))
                 acc.add(value, grad)
     return {w: g for w in wrt if (g := acc.take(w)) is not None}
+
+
+def _stop_edges(node: ir.Node):
+    return registry.stop_gradient_edges(node.domain, node.op_type)
 
 
 def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter, n_inputs: int) -> list:

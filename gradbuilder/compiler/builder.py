@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterable
+from typing import Iterable, NamedTuple, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -15,11 +15,21 @@ from ..errors import InvalidArgumentError, InvalidModelError, OutputError
 from ..interface import GRADIENT, updated
 from . import modelio, pipeline
 from .autodiff import differentiate
-from .passes import named_output
+from .passes import guarded, named_output
 from .values import FLOAT_TYPES, dims_of
 from .emitter import Emitter
 
 KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
+
+
+class Appended(NamedTuple):
+    """What a graph built on the gradients (the training graph) appends after them: graph
+    inputs, graph outputs, and ``keep``, a bool scalar under which the running statistics take
+    their new values (None: always)."""
+
+    inputs: Sequence[ir.Value] = ()
+    outputs: Sequence[ir.Value] = ()
+    keep: ir.Value | None = None
 
 
 class GradientGraphBuilder:
@@ -35,6 +45,10 @@ class GradientGraphBuilder:
     shape and dtype as the weight (``gradient_suffix`` changes ``_grad``, e.g. to
     differentiate a gradient graph again). Trainable initializers also become graph inputs, the
     initializer kept as their default value.
+
+    ``warn_about_model`` (default True): ``build()`` warns about the model (an
+    inference-optimized export, merged parameters, an opset or IR version onnxruntime cannot
+    run); False for a graph built for a caller that already said so (a session).
     """
 
     def __init__(
@@ -53,6 +67,7 @@ class GradientGraphBuilder:
         deterministic: bool = False,
         running_statistics: bool = False,
         base_dir: str | os.PathLike | None = None,
+        warn_about_model: bool = True,
     ):
         if weights is None or loss is None:
             raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
@@ -78,14 +93,11 @@ class GradientGraphBuilder:
         self.memory_efficient_gradient = bool(memory_efficient_gradient)
         self.deterministic = bool(deterministic)  # no scatter whose sums vary between runs (CUDA's atomics)
         self.running_statistics = bool(running_statistics)
+        self.warn_about_model = bool(warn_about_model)
         self.buffers: list[str] = []
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
         self._result: modelio.DetachedModel | None = None
-
-    # Whether build() warns about the model (an inference-optimized export, a version onnxruntime
-    # cannot run); graphs built inside a session that already said so do not repeat it.
-    _warn_about_model = True
 
     # ----------------------------------------------------------------------------- build
     def build(self) -> "GradientGraphBuilder":
@@ -97,13 +109,13 @@ class GradientGraphBuilder:
         proto, weights_bytes = modelio.load_detached(self._source, self.base_dir, self.weights)
         if not self.weights:
             raise InvalidArgumentError(f"weights is empty: {nothing_to_train(proto.graph)}")
-        if self._warn_about_model:
+        if self.warn_about_model:
             from .tied_exports import warn_merged_parameters
             from .torch_exports import warn_inference_export
 
             warn_inference_export(proto)
             warn_merged_parameters(proto)
-        model = pipeline.load(proto, self.weights + self.stop_gradients, quiet=not self._warn_about_model)
+        model = pipeline.load(proto, self.weights + self.stop_gradients, quiet=not self.warn_about_model)
         del proto
         t1 = time.perf_counter()
         self._differentiate(model)
@@ -138,8 +150,8 @@ class GradientGraphBuilder:
         buffers = self._take_buffers(graph, weights, ctx.buffers)
         e = ctx.emitter
         ctx.forward = list(graph)
-        result = differentiate(graph, weights, self._loss_to_differentiate(e, loss), ctx.opset, e, stop_gradients=stops,
-                               eager_sums=self.memory_efficient_gradient)
+        seed, seeded = self._loss_to_differentiate(e, loss)
+        result = differentiate(graph, weights, seed, e, stop_gradients=stops, eager_sums=self.memory_efficient_gradient)
         if result.unreached:
             self.unreached_weights = result.unreached
             compat.warn("these weights do not reach the loss and get a zero gradient: " + ", ".join(result.unreached))
@@ -147,12 +159,12 @@ class GradientGraphBuilder:
         for w in weights:
             if w.is_initializer() and not w.is_graph_input():
                 graph.inputs.append(w)
-        new_inputs, new_outputs = self._after_gradients(e, weights, dict(zip([w.name for w in weights], grad_outputs)))
-        buffer_outputs = [named_output(e, self._buffer_update(e, new, old), updated(old.name), old)
+        appended = self._after_gradients(e, weights, dict(zip([w.name for w in weights], grad_outputs)), loss, seeded)
+        buffer_outputs = [named_output(e, guarded(e, appended.keep, new, old), updated(old.name), old)
                           for old, new in buffers]
-        graph.inputs.extend(new_inputs)
+        graph.inputs.extend(appended.inputs)
         graph.outputs.clear()
-        graph.outputs.extend(outputs + (grad_outputs if self._gradients_as_outputs() else []) + new_outputs
+        graph.outputs.extend(outputs + (grad_outputs if self._gradients_as_outputs() else []) + list(appended.outputs)
                              + buffer_outputs)
         with compat.warnings_at_caller():
             pipeline.run(pipeline.FINISH, model, ctx)
@@ -173,21 +185,22 @@ class GradientGraphBuilder:
                 graph.inputs.append(old)
         return updates
 
-    # Hooks for graphs built on the gradients (the training graph): extra graph inputs and
-    # outputs appended after the gradients, the new value of a buffer, and whether the
-    # gradients stay outputs.
-    def _buffer_update(self, e: Emitter, new: ir.Value, old: ir.Value) -> ir.Value:
-        return new
+    # Hooks for graphs built on the gradients (the training graph), called in this order with
+    # what the one before returned: the value the backward starts from, then what is appended
+    # after the gradients; and whether the gradients stay outputs.
+    def _loss_to_differentiate(self, e: Emitter, loss: ir.Value) -> tuple[ir.Value, object]:
+        """The value whose gradient seeds the backward, and what ``_after_gradients`` is given
+        about it (the training graph scales the loss: the scaled loss and its scale)."""
+        return loss, None
 
-    def _after_gradients(self, e: Emitter, weights: list[ir.Value], grads: dict[str, ir.Value]):
-        return [], []
+    def _after_gradients(self, e: Emitter, weights: list[ir.Value], grads: dict[str, ir.Value],
+                         loss: ir.Value, seeded: object) -> Appended:
+        """What to append after the gradients ``grads`` (weight name -> gradient) of ``loss``;
+        ``seeded``: the second value ``_loss_to_differentiate`` returned."""
+        return Appended()
 
     def _gradients_as_outputs(self) -> bool:
         return True
-
-    def _loss_to_differentiate(self, e: Emitter, loss: ir.Value) -> ir.Value:
-        """The value whose gradient seeds the backward (the training graph scales the loss)."""
-        return loss
 
     def _names_exist(self, names, values, what):
         for n in names:

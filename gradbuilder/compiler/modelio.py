@@ -204,10 +204,14 @@ def weights_as_inputs(proto: onnx.ModelProto, weights) -> None:
         proto.ir_version = max(proto.ir_version, 4)  # IR 3 required initializers to be inputs
 
 
-def default_opset(proto: onnx.ModelProto) -> int:
+def default_opset(proto: onnx.ModelProto, missing: int | None = None) -> int:
+    """The model's ai.onnx opset; when it imports none, ``missing``, or an error when that is
+    None."""
     for imp in proto.opset_import:
         if imp.domain in ("", "ai.onnx"):
             return imp.version
+    if missing is not None:
+        return missing
     raise InvalidModelError("the model imports no ai.onnx opset; add one to opset_import")
 
 
@@ -284,6 +288,8 @@ _LOOPS = ("Loop", "Scan")
 
 
 def _subgraphs(node: onnx.NodeProto):
+    """The graphs of ``node``'s GRAPH and GRAPHS attributes, in attribute order (the protobuf
+    form of ``compiler.traversal.subgraphs``)."""
     for a in node.attribute:
         if a.type == onnx.AttributeProto.GRAPH:
             yield a.g
@@ -429,12 +435,8 @@ def _take_types(ours: onnx.GraphProto, theirs: onnx.GraphProto) -> None:
     for mine, inferred in zip(ours.output, theirs.output):
         mine.CopyFrom(inferred)
     for node, inferred_node in zip(ours.node, theirs.node):
-        for a, b in zip(node.attribute, inferred_node.attribute):
-            if a.type == onnx.AttributeProto.GRAPH:
-                _take_types(a.g, b.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g, h in zip(a.graphs, b.graphs):
-                    _take_types(g, h)
+        for g, h in zip(_subgraphs(node), _subgraphs(inferred_node)):
+            _take_types(g, h)
 
 
 def node_reads(node: onnx.NodeProto) -> set[str]:

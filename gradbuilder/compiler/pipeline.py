@@ -10,16 +10,16 @@ loss, or the model's outputs with gradients given at run time) and in what they 
 Every pass has one shape: a function ``fn(model, ctx)`` over the ``onnx_ir`` model, run as an
 ``onnx_ir.passes.InPlacePass`` (:class:`Pass`); ``ctx`` (:class:`Context`) carries the names
 in use (the emitter), the values differentiated and the options that decide what a pass
-does. A pass that does not apply returns at once. To add a pass: write the function in
-``compiler/passes/`` and put it in PREPARE (before differentiation) or FINISH (after).
+does. Both live in ``passes/context.py`` (a pass imports them from there, never from this
+module) and are importable from here too. A pass that does not apply returns at once. To add
+a pass: write the function in ``compiler/passes/`` and put it in PREPARE (before
+differentiation) or FINISH (after).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
-from typing import Callable
 
 import onnx_ir as ir
 
@@ -33,6 +33,7 @@ from .passes.canonicalize import (
     split_to_sequence_as_split,
 )
 from .passes.cleanup import remove_unused_nodes
+from .passes.context import Context, Pass, PassFunction, opset_of
 from .passes.expand_functions import expand_functions
 from .passes.finite_inputs import mark_finite_softmax_inputs
 from .passes.expose_masks import expose_dropout_masks, expose_norm_statistics, expose_pool_indices
@@ -46,53 +47,14 @@ from .passes.vector_products import vector_products_without_transpose
 from ..interface import GRADIENT
 from .emitter import Emitter
 
-
-@dataclasses.dataclass
-class Context:
-    """What the passes share and read: names, the values differentiated, options; and what
-    they leave for the builder (running statistics, reports)."""
-
-    emitter: Emitter  # the model's names and opset; every new name is taken through it
-    wrt: list[ir.Value] = dataclasses.field(default_factory=list)  # the values differentiated with respect to
-    running_statistics: bool = False  # expose BatchNormalization's running statistics as buffers
-    unbiased_variance: bool = False  # the running variance with the batch's unbiased variance (PyTorch)
-    mixed_precision: str | None = None  # "float16" / "bfloat16": autocast
-    cast_propagation: tuple[int, list[str]] = (1, [])
-    recompute: object | None = None  # passes.recompute.RecomputeOptions
-    deterministic: bool = False  # the same bits every run on every device (passes.race_free_scatter)
-    forward: list[ir.Node] = dataclasses.field(default_factory=list)  # the forward nodes (set before the walk)
-    buffers: list[tuple[ir.Value, ir.Value]] = dataclasses.field(default_factory=list)  # (statistic, new value)
-    reports: dict[str, object] = dataclasses.field(default_factory=dict)  # pass name -> what it reports
-
-    @classmethod
-    def of(cls, model: ir.Model, **options) -> "Context":
-        """A context for ``model`` (an emitter over its main graph at its ai.onnx opset)."""
-        return cls(Emitter(model.graph, opset_of(model)), **options)
-
-    @property
-    def opset(self) -> int:
-        return self.emitter.opset
-
-    def unique(self, hint: str) -> str:
-        return self.emitter.unique(hint)
-
-
-class Pass(ir.passes.InPlacePass):
-    """One step of the pipeline: ``fn(model, ctx)`` as an onnx_ir in-place pass."""
-
-    def __init__(self, fn: Callable[[ir.Model, Context], object], ctx: Context):
-        super().__init__()
-        self.fn, self.ctx = fn, ctx
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.fn(model, self.ctx)
-        return ir.passes.PassResult(model, modified=True)
+__all__ = ["Context", "Pass", "PREPARE", "FINISH", "run", "load", "values_by_name", "name_gradients",
+           "opset_of", "cyclic_collection_paused", "release"]
 
 
 # Before differentiation, in this order. The sequence rewrites run before the shape folder
 # (below opset 18 the folder writes a Split the checker refuses); the running statistics are
 # exposed after the dropout masks and before the rewrites that read the final forward.
-PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
+PREPARE: tuple[PassFunction, ...] = (
     split_to_sequence_as_split,
     sequence_appends_as_scan_outputs,
     fold_shape_computations,
@@ -109,7 +71,7 @@ PREPARE: tuple[Callable[[ir.Model, Context], object], ...] = (
 )
 
 # After the backward nodes and the graph's outputs are in place.
-FINISH: tuple[Callable[[ir.Model, Context], object], ...] = (
+FINISH: tuple[PassFunction, ...] = (
     padded_sums_as_concat,
     apply_recompute,
     scatter_reductions_race_free,
@@ -120,10 +82,6 @@ FINISH: tuple[Callable[[ir.Model, Context], object], ...] = (
 def run(passes, model: ir.Model, ctx: Context) -> None:
     """Run ``passes`` (PREPARE or FINISH) over ``model``, in order."""
     ir.passes.Sequential(*(Pass(fn, ctx) for fn in passes))(model)
-
-
-def opset_of(model: ir.Model) -> int:
-    return model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx")
 
 
 def load(proto, wrt: list[str], quiet: bool = False) -> ir.Model:
@@ -207,7 +165,6 @@ def release() -> None:
     checker, the split's protos). The IR is cyclic, so only the collector frees it; its
     objects are all young (:func:`cyclic_collection_paused`), so collecting the youngest
     generation frees it without scanning the process's long-lived objects, which a full
-    ``gc.collect()`` did (60-85% of a small build when torch and the test suite are loaded).
-    Without it the IR stayed beside the checker: the 10k-node synthetic build peaked at 436
-    MB instead of 349 (tools/bench_build.py)."""
+    ``gc.collect()`` did, at most of a small build's time when torch is loaded. Without it the
+    IR stayed beside the checker and raised the build's peak (README, Build speed)."""
     gc.collect(0)

@@ -25,7 +25,8 @@ import onnx_ir as ir
 from ..errors import InvalidArgumentError
 from ..interface import GRADIENT_OUTPUT
 from . import modelio, pipeline
-from .autodiff import node_inputs, walk
+from .autodiff import walk
+from .traversal import node_inputs
 from .values import FLOAT_TYPES
 
 SEED_SUFFIX = GRADIENT_OUTPUT
@@ -125,7 +126,7 @@ def _differentiated(model, wrt: list[str], outputs, stop_gradients: list[str]):
     missing = [n for n in stop_gradients if n not in values]
     if missing:
         raise InvalidArgumentError(f"split graphs: stop_gradients names values the model does not have: {missing}")
-    grads = walk(graph, wrt_values, dict(seeds), ctx.opset, e, frozenset(values[n] for n in stop_gradients))
+    grads = walk(graph, wrt_values, dict(seeds), e, stop_gradients=frozenset(values[n] for n in stop_gradients))
     reached = [w for w in wrt_values if w in grads]
     named = pipeline.name_gradients(e, reached, {w.name: grads[w] for w in reached})
     gradients = {w.name: None for w in wrt_values}

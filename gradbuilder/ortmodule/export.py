@@ -46,7 +46,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from ..errors import GradBuilderError
+from ..errors import ExportError
 from ..compiler.modelio import to_ir
 from ..compiler.passes.running_stats import expose_running_statistics
 from ..compiler.pipeline import Context
@@ -55,10 +55,6 @@ from .options import logger
 OPSET = 17
 RUNNING = "running/"
 STOP_DOMAIN = "gradbuilder.ortmodule"  # the traced marks of values no gradient flows through
-
-
-class ExportError(GradBuilderError):
-    """torch's exporter could not turn the module into an ONNX graph we can train."""
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import GradBuilderError, InvalidArgumentError
-from .export import ExportError, Output, export
+from ..errors import ExportError, GradBuilderError, InvalidArgumentError
+from .export import Output, export
 from .options import DebugOptions, logger
 from .runner import Compiled, ORTFunction
 

@@ -14,14 +14,10 @@ from torch.autograd.function import once_differentiable
 from ..errors import InvalidModelError
 from ..runtime import providers as _providers
 from ..runtime.dlpack import to_ort, to_torch
-from ..runtime.graphs import STOP_SPINNING
-from ..runtime.runner import compile_graph
+from ..runtime.runner import compile_graph, taking_turns
 from ..compiler.split import SplitGraphs, build_split
 from .export import Exported
 from .options import DebugOptions, logger
-
-
-_SPINNING = "session.intra_op.allow_spinning"
 
 
 def _providers_for(device: torch.device):
@@ -49,15 +45,10 @@ class Compiled:
         providers, options, self.ort_device = _providers_for(device)
         # onnxruntime's INFO is its graph transformers' trace: only VERBOSE goes below WARNING
         severity = 0 if debug.log_level == 0 else max(2, int(debug.log_level))
-        so = _providers.options_with(session_options, log_severity_level=severity)
-        try:
-            so.get_session_config_entry(_SPINNING)
-        except Exception:  # not set by the user
-            # The forward and backward sessions and PyTorch take turns on the same cores: a
-            # pool still spinning after its run slows the next one down (the benchmark
-            # transformer's forward + backward took 1.5x as long). The pools spin within a
-            # run and stop at its end.
-            so.add_session_config_entry(STOP_SPINNING, "1")
+        # The forward and backward sessions and PyTorch take turns on the same cores (a pool
+        # still spinning after its run made the benchmark transformer's forward + backward take
+        # 1.5x as long): runner.taking_turns
+        so = taking_turns(_providers.options_with(session_options, log_severity_level=severity))
         self.split: SplitGraphs | None = None
         outputs = list(dict.fromkeys(n for n, d in zip(exported.outputs, exported.differentiable) if d))
         if wrt and outputs:

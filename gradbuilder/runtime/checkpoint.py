@@ -55,7 +55,7 @@ from .. import files
 from ..dtypes import NP_OF_ORT
 from ..errors import CheckpointError, InvalidArgumentError
 
-__all__ = ["FORMAT", "save", "load"]
+__all__ = ["FORMAT", "save", "load", "resumes"]
 
 FORMAT = "gradbuilder-checkpoint/2"
 FORMAT_V1 = "gradbuilder-checkpoint/1"
@@ -294,6 +294,41 @@ def open_checkpoint(path) -> Reader:
         digest = hashlib.sha256(_description({k: (code, shape) for k, (code, shape, _, _) in entries.items()}, meta))
         order = sorted(entries)
     return Reader(path, size, 8 + n, entries, meta, digest, order, corrupt, truncated)
+
+
+def resumes(path, reader: Reader, identity, shapes) -> bool:
+    """Whether the session ``identity`` (``state.Identity``) holding state of ``shapes`` (name
+    -> shape) may resume from the checkpoint ``reader`` opened at ``path``; raises
+    CheckpointError, saying what differs, when it may not. True: the checkpoint was saved
+    between accumulations by a session that differs only in its accumulation state (another
+    number of accumulation steps, or a pipeline's micro-batches): the session takes it with
+    its accumulation state zeroed. A checkpoint saved in the middle of an accumulation resumes
+    only with the same accumulation steps."""
+    from ..interface import ACCUMULATION_STEP
+
+    specs, saved = reader.specs, reader.metadata.get("model")
+    theirs = {n: v for n, v in specs.items() if not n.endswith(".grad")}
+    between = saved != identity.model and identity.between == identity.between_of(theirs)
+    if between:
+        step = int(reader.value(ACCUMULATION_STEP)) if ACCUMULATION_STEP in specs else 0
+        if step:
+            raise CheckpointError(f"checkpoint {os.fspath(path)} was saved in the middle of a gradient accumulation"
+                                  f" (Accumulation_Step {step}); resume it with the gradient_accumulation_steps it "
+                                  "was saved with")
+    elif saved != identity.model:
+        ours = set(shapes)
+        detail = []
+        if set(theirs) - ours:
+            detail.append(f"it has {sorted(set(theirs) - ours)[:5]} which this session does not")
+        if ours - set(theirs):
+            detail.append(f"it lacks {sorted(ours - set(theirs))[:5]}")
+        for n in sorted(ours & set(theirs)):
+            if tuple(specs[n].shape) != tuple(shapes[n]):
+                detail.append(f"'{n}' is {list(specs[n].shape)}, here {list(shapes[n])}")
+                break
+        raise CheckpointError(f"checkpoint {os.fspath(path)} was saved from another model or optimizer"
+                              + (": " + "; ".join(detail) if detail else ""))
+    return between
 
 
 def _read(path, start, order, entries, digest, truncated, into=()):

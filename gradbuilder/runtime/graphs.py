@@ -1,10 +1,5 @@
-"""The graphs a session runs, each built on first use and compiled per provider setting:
-
-- ``step``: forward, backward, (accumulation, clipping) and optimizer in one graph (``run``);
-- ``gradients`` / ``accumulate``: forward and backward only, the gradients returned or added
-  to buffers (``train_step``, onnxruntime-training's on-device API);
-- ``optimizer``: the update alone from those buffers (``optimizer_step``);
-- ``eval``: the forward in inference form (``eval_step``).
+"""The graphs a session runs: one table of kinds (:class:`Kind`) and the cache that builds
+each on first use and compiles it per provider setting (:class:`GraphCache`).
 
 Every graph has the session's state (weights, running statistics) as plain inputs: the
 session feeds them, and no graph holds a copy.
@@ -12,9 +7,9 @@ session feeds them, and no graph holds a copy.
 
 from __future__ import annotations
 
-from typing import Mapping
+import enum
+from typing import Sequence
 
-import numpy as np
 import onnx
 
 from ..compiler import modelio
@@ -22,74 +17,121 @@ from ..interface import updated
 from ..training.graph import StepGradientsBuilder, TrainingGraphBuilder, eval_model, optimizer_only_model
 from . import providers as _providers
 from .recompute import session_settings
-from .runner import Graph, compile_graph
-
-KINDS = ("step", "gradients", "accumulate", "optimizer", "eval")
-SPINNING = "session.intra_op.allow_spinning"
-STOP_SPINNING = "session.force_spinning_stop"  # spin within a run, not after it
+from .runner import Graph, compile_graph, taking_turns
 
 
-def _user_set(options, key: str) -> bool:
-    try:
-        return bool(options.get_session_config_entry(key))
-    except Exception:  # noqa: BLE001 - onnxruntime raises when the key was never set
-        return False
+class Kind(str, enum.Enum):
+    """The kinds of graph a session runs, and what each needs (a kind is its name: ``Kind.STEP
+    == "step"``):
+
+    - ``bound``: its state stays bound across runs (``runner.StepBinding``);
+    - ``recomputes``: it holds the forward, so recompute's session settings apply;
+    - ``takes_turns``: it runs in turn with another graph of the session on the same cores, so
+      its thread pool stops spinning at the end of a run (``runner.taking_turns``);
+    - ``mem_pattern``: onnxruntime's memory pattern stays on (off for the step, whose state's
+      buffers are bound: the pattern would only hold the first run's allocations beside a
+      pattern-sized block).
+    """
+
+    def __new__(cls, name: str, doc: str, bound: bool, recomputes: bool, takes_turns: bool, mem_pattern: bool):
+        kind = str.__new__(cls, name)
+        kind._value_ = name
+        kind.doc, kind.bound, kind.recomputes = doc, bound, recomputes
+        kind.takes_turns, kind.mem_pattern = takes_turns, mem_pattern
+        return kind
+
+    # name, what it is (the session's call): bound, recomputes, takes_turns, mem_pattern
+    STEP = "step", "forward, backward, (accumulation, clipping), optimizer: run()", True, True, False, False
+    GRADIENTS = "gradients", "forward, backward, the gradients returned: train_step()", True, True, True, True
+    ACCUMULATE = "accumulate", "forward, backward, the gradients added to buffers: train_step()", True, True, True, True
+    OPTIMIZER = "optimizer", "the update alone from the gradients: optimizer_step()", True, False, True, True
+    EVAL = "eval", "the forward in inference form: eval_step()", False, False, False, True
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class GraphCache:
-    def __init__(self, builder: TrainingGraphBuilder, model: onnx.ModelProto, outputs: list[str],
-                 state: list[str], sess_options, providers, provider_options, device):
-        self.builder, self.model, self.outputs, self.state = builder, model, outputs, state
-        self.sess_options = sess_options
-        self.providers, self.provider_options, self.device = providers, provider_options, device
-        self.built: dict[str, bytes] = {}  # kind -> serialized graph (independent of providers)
-        self.compiled: dict[str, Graph] = {}  # kind -> its compiled graph
-        self.weight_specs: Mapping[str, np.ndarray] = {}  # weight -> an array of its dtype and shape
-        self._in_place: dict[str, frozenset[str]] = {}  # kind -> its state updated in place
-        self.owned: list[str] | None = None  # the weights this process updates (ZeRO), None: all
+    """The session's graphs, by :class:`Kind`: each built once (``serialized``: independent of
+    the providers) and compiled on first use (``cache[kind]``: a ``runner.Graph``) for the
+    current providers; ``set_providers`` compiles again for others, ``clear`` forgets every
+    graph (the frozen parameters they hold changed). ``partition`` makes the optimizer graph
+    update some of the weights only (ZeRO; a pipeline stage's). ``compile`` compiles another
+    graph (a pipeline stage's) with the same options and providers.
+
+    ``facts`` is the session's ``model.ModelFacts``, ``builder`` its TrainingGraphBuilder. The
+    providers, their options and the device are read-only: change them with ``set_providers``.
+    """
+
+    def __init__(self, facts, builder: TrainingGraphBuilder, sess_options, providers, provider_options, device):
+        self._facts, self._builder, self._sess_options = facts, builder, sess_options
+        self._providers, self._provider_options, self._device = providers, provider_options, device
+        self._built: dict[Kind, bytes] = {}  # kind -> serialized graph (independent of providers)
+        self._compiled: dict[Kind, Graph] = {}  # kind -> its compiled graph
+        self._in_place: dict[Kind, frozenset[str]] = {}  # kind -> its state updated in place
+        self._owned: list[str] | None = None  # the weights the optimizer graph updates; None: all
+
+    @property
+    def providers(self) -> Sequence[str]:
+        return self._providers
+
+    @property
+    def provider_options(self) -> Sequence[dict]:
+        return self._provider_options
+
+    @property
+    def device(self) -> tuple[str, int]:
+        return self._device
 
     def __getitem__(self, kind: str) -> Graph:
-        if kind not in self.compiled:
-            options, disabled = self.sess_options, ()
-            if self.builder.recompute is not None and kind in ("step", "gradients", "accumulate"):
+        kind = Kind(kind)
+        if kind not in self._compiled:
+            options, disabled = self._sess_options, ()
+            if self._builder.recompute is not None and kind.recomputes:
                 settings, disabled = session_settings(options.enable_cpu_mem_arena)  # keeps the recompute
                 options = _providers.options_with(options, **settings)
-            if kind == "step":
-                # The state's buffers are bound (runner.StepBinding): the memory pattern would
-                # only hold the first run's allocations beside a pattern-sized block.
+            if not kind.mem_pattern:
                 options = _providers.options_with(options, enable_mem_pattern=False)
-            elif kind in ("gradients", "accumulate", "optimizer") and not _user_set(options, SPINNING):
-                # The step-wise API's graphs take turns: a pool still spinning after its run
-                # holds a core the next graph needs. Their pools spin within a run and stop at
-                # its end (MLP train_step + optimizer_step: 8.1 ms spinning on, 5.9 with no
-                # spinning at all, which costs the transformer's ~800 ops a wake-up each).
-                options = _providers.options_with(options)
-                options.add_session_config_entry(STOP_SPINNING, "1")
-            self.compiled[kind] = compile_graph(self.serialized(kind), options, self.providers,
-                                                self.provider_options, self.device, disabled)
-        return self.compiled[kind]
+            if kind.takes_turns:
+                # The step-wise API's graphs take turns: a pool still spinning after its run slows
+                # the other graph's (README, Speed and memory).
+                options = taking_turns(options)
+            self._compiled[kind] = self.compile(self.serialized(kind), options, disabled)
+        return self._compiled[kind]
+
+    def compile(self, model: bytes, sess_options=None, disabled_optimizers: Sequence[str] = ()) -> Graph:
+        """``model`` (serialized) compiled for the current providers, with the session's
+        options (or ``sess_options``)."""
+        options = self._sess_options if sess_options is None else sess_options
+        return compile_graph(model, options, self._providers, self._provider_options, self._device, disabled_optimizers)
 
     def serialized(self, kind: str) -> bytes:
-        if kind not in self.built:
-            self.built[kind] = self._build(kind)
-        return self.built[kind]
+        """Graph ``kind`` as bytes, built on first use."""
+        kind = Kind(kind)
+        if kind not in self._built:
+            self._built[kind] = self._build(kind)
+        return self._built[kind]
 
-    def _build(self, kind: str) -> bytes:
-        b = self.builder
-        if kind == "step":
+    def built(self, kind: str) -> bytes | None:
+        """Graph ``kind`` as bytes if it was built, else None (nothing is built)."""
+        return self._built.get(Kind(kind))
+
+    def _build(self, kind: Kind) -> bytes:
+        b, facts = self._builder, self._facts
+        if kind is Kind.STEP:
             proto = b.build().model_proto
-        elif kind in ("gradients", "accumulate"):
-            proto = StepGradientsBuilder(b, self.outputs, accumulate=kind == "accumulate").build().model_proto
-        elif kind == "optimizer":
-            specs = self.weight_specs if self.owned is None else {w: self.weight_specs[w] for w in self.owned}
+        elif kind in (Kind.GRADIENTS, Kind.ACCUMULATE):
+            proto = StepGradientsBuilder(b, facts.outputs, accumulate=kind is Kind.ACCUMULATE).build().model_proto
+        elif kind is Kind.OPTIMIZER:
+            specs = facts.specs if self._owned is None else {w: facts.specs[w] for w in self._owned}
             per_weight = {w: o for w, o in b.per_weight_options.items() if w in specs}
             proto = optimizer_only_model(specs, b.optimizer, b.optimizer_options, b.max_grad_norm,
-                                         per_weight=per_weight, partial=self.owned is not None)
-        elif kind == "eval":
-            proto = eval_model(self.model)
+                                         per_weight=per_weight, partial=self._owned is not None)
+        elif kind is Kind.EVAL:
+            proto = eval_model(facts.model)
         else:
             raise AssertionError(kind)
-        modelio.weights_as_inputs(proto, self.state)
+        modelio.weights_as_inputs(proto, facts.state)
         return proto.SerializeToString()
 
     def in_place(self, kind: str) -> frozenset[str]:
@@ -98,19 +140,27 @@ class GraphCache:
         which waits for every gradient), and every other node that reads ``X`` runs before it
         (is one of its ancestors). The weights of a training step qualify: the forward and the
         backward read them before the update can start."""
+        kind = Kind(kind)
         if kind not in self._in_place:
             self._in_place[kind] = _written_after_every_read(onnx.ModelProto.FromString(self.serialized(kind)).graph)
         return self._in_place[kind]
 
+    def partition(self, owned: list[str]) -> None:
+        """The optimizer graph updates ``owned`` only (its clipping norm is then given by the
+        caller: ``optimizer_only_model``'s ``partial``)."""
+        if Kind.OPTIMIZER in self._built:
+            raise AssertionError("GraphCache.partition after the optimizer graph was built")
+        self._owned = list(owned)
+
     def set_providers(self, providers, provider_options, device) -> None:
         """Compile again for other providers (the built graphs are kept)."""
-        self.providers, self.provider_options, self.device = providers, provider_options, device
-        self.compiled.clear()
+        self._providers, self._provider_options, self._device = providers, provider_options, device
+        self._compiled.clear()
 
     def clear(self) -> None:
         """Forget every graph: the model's constants changed."""
-        self.built.clear()
-        self.compiled.clear()
+        self._built.clear()
+        self._compiled.clear()
         self._in_place.clear()
 
 

@@ -26,14 +26,13 @@ def session_settings(arena: bool = True):
       reads forward values runs first, in the forward. The extended level is therefore off,
       and so are the basic-level rewrites that create nodes: MatMulAddFusion (MatMul + Add ->
       Gemm), ReshapeFusion and TransposeOptimizer. With them on, the transformer benchmark
-      ran its layer-0 clones during the forward and held 1.5x the activations.
+      ran its layer-0 clones during the forward and held more activations than without recompute.
     - onnxruntime's buffer reuse (``enable_mem_reuse``) hands a freed buffer to a later value
       of the same size. With the arena on, it kept the transformer benchmark's resident memory
-      at its first layer's high-water mark through the whole backward: without it the
-      whole-layer recompute step peaked at 457 MiB above the loaded session instead of 796,
-      for 2% more time. With the arena off, buffer reuse is what lets an element-wise node
-      write over its dying input; without it a chain of such nodes peaked 3.4x higher. So
-      reuse is turned off only with the arena on.
+      at its first layer's high-water mark through the whole backward; without it the
+      whole-layer recompute step peaks far lower for a little more time (README, Mixed
+      precision and recompute). With the arena off, buffer reuse is what lets an element-wise
+      node write over its dying input. So reuse is turned off only with the arena on.
     """
     import onnxruntime as ort
 

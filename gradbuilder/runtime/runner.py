@@ -14,7 +14,6 @@ from ..errors import InvalidArgumentError
 from . import providers as _providers
 
 
-
 class Graph:
     """A compiled graph: ``session``, ``inputs`` (name -> NodeArg), ``outputs`` (names) and
     ``device`` (``(kind, index)``, where outputs are bound)."""
@@ -144,6 +143,29 @@ class StepBinding:
             b.bind_output(n, kind, index)
         self.turn = 1 - self.turn
         return results, {**self.sets[self.turn], **self.in_place}
+
+
+SPINNING = "session.intra_op.allow_spinning"
+STOP_SPINNING = "session.force_spinning_stop"  # spin within a run, not after it
+
+
+def taking_turns(sess_options) -> "ort.SessionOptions":
+    """The options of a graph that takes turns with others on the same cores (the step-wise
+    API's graphs; ORTModule's forward, backward and PyTorch between them): its thread pool
+    spins within a run and stops at its end, since a pool still spinning after its run holds a
+    core the next graph needs. ``sess_options`` (None: defaults) is left as it was; a user who
+    set ``session.intra_op.allow_spinning`` keeps their choice."""
+    options = _providers.options_with(sess_options)
+    if not _user_set(options, SPINNING):
+        options.add_session_config_entry(STOP_SPINNING, "1")
+    return options
+
+
+def _user_set(options, key: str) -> bool:
+    try:
+        return bool(options.get_session_config_entry(key))
+    except Exception:  # noqa: BLE001 - onnxruntime raises when the key was never set
+        return False
 
 
 # onnxruntime graph optimizers left out of every session we create. SkipLayerNormFusion fuses

@@ -6,15 +6,19 @@
     >>> loss, = sess.run(["loss"], {"x": x, "y": y})        # one full step
 
 The forward model and the ``TrainingParameters`` are turned into ONNX graphs in standard
-operators (``gradbuilder.training``); the session is a facade over three parts:
+operators (``gradbuilder.training``); the session is a facade over:
 
-- ``graphs.GraphCache``: each kind of graph (the full ``step`` for ``run``, ``gradients`` /
-  ``accumulate`` for ``train_step``, ``optimizer`` for ``optimizer_step``, ``eval`` for
-  ``eval_step``), built and compiled on first use;
+- ``model.ModelFacts``: what the model holds (weights, running statistics, frozen
+  parameters, their specs, the step's inputs and outputs), derived once;
+- ``graphs.GraphCache``: each kind of graph (``graphs.Kind``: the full ``step`` for ``run``,
+  ``gradients`` / ``accumulate`` for ``train_step``, ``optimizer`` for ``optimizer_step``,
+  ``eval`` for ``eval_step``), built and compiled on first use;
 - ``state.StateStore``: the training state between steps;
-- ``runner.Graph``: one compiled graph, bound and run with IOBinding (ORTModule runs its
-  graphs through it too).
- Weights, gradients and optimizer state live
+- ``executor``: how the steps run, in this process (``LocalExecutor``, each graph bound and
+  run with IOBinding through ``runner``) or across processes (``distributed``): one interface,
+  so the session never asks which.
+
+Weights, gradients and optimizer state live
 as ``OrtValue``s on the execution device; every run binds them with IOBinding and takes the
 updated values (``W.updated``, ``W.<state>.updated``, ...) as the next inputs, so no tensor of
 the state passes through numpy between steps. Every call validates its input before running
@@ -33,18 +37,17 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from .. import compat, files
+from .. import files
 from ..compiler import modelio
-from ..compiler.passes.running_stats import buffers_of
-from ..dtypes import FLOAT_TENSOR_TYPES
-from ..errors import CheckpointError, InvalidArgumentError, NonFiniteError, ProviderError
-from ..interface import (ACCUMULATION_STEP, ALL_FINITE, GRAD_ACCUM, GRADIENT, LEARNING_RATE, LOSS_SCALE,
-                         LOSS_SCALE_GOOD_STEPS, STEP, grad_accum, state_of, updated)
-from ..training.graph import from_parameters, weights_of
+from ..errors import CheckpointError, InvalidArgumentError
+from ..interface import ACCUMULATION_STEP, GRAD_ACCUM, GRADIENT, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS, STEP, state_of
+from ..training.graph import from_parameters
+from ..training.stages.optimizer import jsonable
 from . import checkpoint, distributed, providers as _providers, schedulers
-from .graphs import GraphCache
-from .runner import StepBinding
-from .state import StateStore, fingerprint
+from .executor import Executor, LocalExecutor, Parts, check_precision, resolve_providers
+from .graphs import GraphCache, Kind
+from .model import ModelFacts, output_names, read_model
+from .state import StateStore, without_accumulation
 
 _SHARED = (STEP, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS)  # state shared by every weight
 
@@ -56,215 +59,61 @@ class TrainingSession:
     def __init__(self, path_or_bytes, parameters, sess_options: ort.SessionOptions | None = None,
                  providers: Sequence | None = None, provider_options: Sequence[dict] | None = None,
                  base_dir: str | os.PathLike | None = None):
-        from ..compiler.tied_exports import warn_merged_parameters
-        from ..compiler.torch_exports import warn_inference_export
         from ..training.params import TrainingParameters
 
         if not isinstance(parameters, TrainingParameters):
             raise InvalidArgumentError(f"parameters must be a gradbuilder.TrainingParameters, got "
                                        f"{type(parameters).__name__}")
-        self._params = TrainingParameters.from_dict(parameters.to_dict())
-        # The session's own copy of the model, read once (external data from base_dir), its large
-        # tensors apart. Its weights and running statistics move into the state, read straight
-        # from their files where they are external data; the model keeps their types.
-        self._model, large = modelio.load_detached(path_or_bytes, base_dir)
-        compat.check_for_runtime(self._model, strict=True)  # the graphs must load in onnxruntime
-        warn_inference_export(self._model)
-        warn_merged_parameters(self._model)
-        self.weights = weights_of(self._model, self._params)
-        modelio.lift_constants(self._model, self.weights)  # weights held in Constant nodes (paddle2onnx, spox)
-        self.buffers = buffers_of(self._model)  # running statistics: updated by training, not trained
-        inits = {t.name: t for t in self._model.graph.initializer}
-        no_value = [b for b in self.buffers if b not in inits]
-        if no_value:
-            raise InvalidArgumentError(f"the running statistics {no_value} are graph inputs without an initializer; "
-                                       "give them initial values as initializers")
-        values = {w: large.pop(w) if w in large else numpy_helper.to_array(inits[w])
-                  for w in self.weights + self.buffers if w in inits}
-        if large:  # frozen parameters: constants of the session's graphs
-            self._model = modelio.DetachedModel(self._model, large).to_proto()
-        del large
-        self._frozen = [t.name for t in self._model.graph.initializer if t.name not in values
-                        and t.data_type in FLOAT_TENSOR_TYPES]
-        modelio.weights_as_inputs(self._model, self.weights + self.buffers)  # their values live in the state only
-        self._builder = from_parameters(self._model, self._params, outputs=self._output_names(), weights=self.weights)
-        self._builder._warn_about_model = False  # said above
-        self.loss_name = self._builder.loss
-        self._check_names()
-        missing = [w for w in self.weights if w not in values]
-        if missing:
-            raise InvalidArgumentError(f"the weights {missing} are graph inputs without an initializer; give them "
-                                       "initial values as initializers")
-        initial = {**self._builder.initial_state(values), **values}
+        params = TrainingParameters.from_dict(parameters.to_dict())
+        model, weights, buffers, frozen, values = read_model(path_or_bytes, params, base_dir)
+        self._builder = from_parameters(model, params, outputs=output_names(model, params.loss_output_name),
+                                        weights=weights, warn_about_model=False)  # read_model said it
+        self._facts, initial = ModelFacts.derive(model, self._builder, buffers, frozen, values)
+        del values
         self._sess_options = sess_options or _default_session_options()
-        if self._params.deterministic_compute:  # onnxruntime's own choices too (CUDA's convolution algorithms)
+        if params.deterministic_compute:  # onnxruntime's own choices too (CUDA's convolution algorithms)
             self._sess_options = _providers.options_with(self._sess_options, use_deterministic_compute=True)
-        names, options = _resolve_providers(providers, provider_options, self._params.allow_tf32)
-        topo = distributed.topology(self._params)  # checked before anything is placed on a device
+        names, options = resolve_providers(providers, provider_options, params.allow_tf32)
+        topo = distributed.topology(params)  # checked before anything is placed on a device
         if topo is not None:
             options = distributed.one_device_per_process(names, options)
         device = _providers.device_of(names, options)
-        self._check_precision(device)
+        check_precision(params, device)
         self._state = StateStore(initial, device)
-        self._fingerprint = fingerprint(self.weights, initial, self._builder.optimizer)
-        # the same less the accumulation state: a checkpoint saved between accumulations
-        # resumes with another number of accumulation steps (or a pipeline's micro-batches)
-        self._between = fingerprint(self.weights, _without_accumulation(initial), self._builder.optimizer)
-        self._graphs = GraphCache(self._builder, self._model, self._output_names(), self.weights + self.buffers,
-                                  self._sess_options, names, options, device)
-        self._graphs.weight_specs = {w: np.broadcast_to(np.zeros((), values[w].dtype), values[w].shape)
-                                     for w in self.weights}  # dtype and shape only: no memory
-        self._fallback = True
-        self._bindings: dict[str, StepBinding] = {}  # kind -> its bound state, made on its first run
+        del initial
+        self._graphs = GraphCache(self._facts, self._builder, self._sess_options, names, options, device)
+        self._parts = Parts(self._facts, self._builder, self._state, self._graphs, params)
+        self._executor = executor_for(self._parts, topo)  # one of several launched processes: a distributed one
         self._training = True
         self._lr = 1e-3
-        self._lr_value = None
         self._scheduler = None
         self._reset_grads = True
-        self.skipped_steps = 0  # updates skipped because the loss or gradients were not finite
         # the caller's values saved with each checkpoint (as onnxruntime's CheckpointState.properties)
         self.properties: dict[str, int | float | str] = {}
-        self._on_nonfinite = self._params.on_nonfinite_step
-        self._dist = None  # a DataParallel (or PipelineParallel) when launched as one of several processes
-        if topo is not None:
-            distributed.init_process_group(device)
-            if topo.stages == 1:
-                from .distributed.data_parallel import DataParallel
 
-                self._dist = DataParallel(self, topo, self._params)
-            else:
-                from .distributed.pipeline_parallel import PipelineParallel
+    # ------------------------------------------------------------------ the model's facts
+    @property
+    def weights(self) -> list[str]:
+        """The weights being trained."""
+        return self._facts.weights
 
-                whole = onnx.ModelProto()
-                whole.CopyFrom(self._model)
-                # the weights as initializers the cuts place (their values stay in the state)
-                whole.graph.initializer.extend(onnx.TensorProto(name=w, dims=values[w].shape, data_type=onnx.helper.
-                                                                np_dtype_to_tensor_dtype(values[w].dtype))
-                                               for w in self.weights)
-                self._dist = PipelineParallel(self, topo, self._params, whole)
+    @property
+    def buffers(self) -> list[str]:
+        """The running statistics: updated by training, not trained."""
+        return self._facts.buffers
 
-    # ------------------------------------------------------------------ graphs and values
-    def _check_precision(self, device) -> None:
-        """bfloat16 mixed precision runs only where onnxruntime has bfloat16 kernels (CUDA)."""
-        if self._params.use_mixed_precision and self._params.mixed_precision_dtype == "bfloat16" and device[0] == "cpu":
-            raise InvalidArgumentError(
-                "TrainingParameters.mixed_precision_dtype='bfloat16' needs CUDAExecutionProvider: onnxruntime has no "
-                "bfloat16 Gemm/MatMul/Conv on CPU, and this session runs on CPUExecutionProvider. Use "
-                "mixed_precision_dtype='float16' on CPU, or providers=['CUDAExecutionProvider'] on a GPU")
+    @property
+    def loss_name(self) -> str:
+        return self._facts.loss
 
-    def _check_names(self) -> None:
-        """The loss is a value of the model; class-index inputs of the model's losses are
-        recorded, so that a label out of range is refused before a run (``_check_labels``)."""
-        graph = self._model.graph
-        values = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-        values |= {o for n in graph.node for o in n.output if o}
-        if self.loss_name not in values:
-            raise InvalidArgumentError(f"TrainingParameters.loss_output_name '{self.loss_name}' is not a value of the "
-                                       f"model; its outputs are {[o.name for o in graph.output]}")
-        self._labels: dict[str, tuple[int | None, int | None, str]] = {}
-        inputs = {i.name for i in graph.input}
-        losses = [n for n in graph.node if n.op_type in _CLASS_LOSSES and n.domain in ("", "ai.onnx")
-                  and len(n.input) > 1 and n.input[1] in inputs]
-        if not losses:
-            return
-        try:
-            inferred = onnx.shape_inference.infer_shapes(self._model)
-        except Exception:  # noqa: BLE001 - no class count known: onnxruntime checks at run time
-            inferred = self._model
-        types = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
-        for n in losses:
-            dims = types[n.input[0]].tensor_type.shape.dim if n.input[0] in types else []
-            classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
-            ignore = next((a.i for a in n.attribute if a.name == "ignore_index"), None)
-            self._labels[n.input[1]] = (classes, ignore, f"node '{n.name}' ({n.op_type})")
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped because the loss or gradients were not finite."""
+        return self._parts.skipped_steps
 
-    def _check_labels(self, name: str, value) -> None:
-        if name not in self._labels:
-            return
-        classes, ignore, node = self._labels[name]
-        labels = np.asarray(_numpy(value))
-        if labels.dtype.kind not in "iu":
-            return  # onnxruntime refuses the type
-        bad = (labels < 0) if classes is None else ((labels < 0) | (labels >= classes))
-        if ignore is not None:
-            bad &= labels != ignore
-        if bad.any():
-            first = labels[bad].flat[0]
-            allowed = f"0..{classes - 1}" if classes is not None else ">= 0"
-            raise InvalidArgumentError(f"input '{name}': class index {first} is out of range for {node}, which takes "
-                                       f"{allowed}" + (f" or ignore_index {ignore}" if ignore is not None else ""))
-
-    def _output_names(self) -> list[str]:
-        names = [o.name for o in self._model.graph.output]
-        loss = self._params.loss_output_name
-        return names if loss in names else [loss] + names
-
-    def _user_inputs(self) -> list[str]:
-        fed = {t.name for t in self._model.graph.initializer} | set(self.weights) | set(self.buffers)
-        return [i.name for i in self._model.graph.input if i.name not in fed]
-
-    def _lr_ortvalue(self) -> ort.OrtValue:
-        if self._lr_value is None:
-            self._lr_value = self._state.ortvalue(np.array(self._lr, np.float32))
-        return self._lr_value
-
-    def _run(self, kind: str, feeds: Mapping[str, object], state: Mapping[str, ort.OrtValue],
-             per_run: Mapping[str, ort.OrtValue] = {}, run_options=None,
-             into: Mapping[str, ort.OrtValue] = {}) -> dict[str, ort.OrtValue]:
-        """Run graph ``kind`` with the user's ``feeds`` (validated), the ``state`` it updates
-        (each ``X`` with its output ``X.updated``; bound once across runs, see ``_bound``) and
-        the values it only reads this run (``per_run``); returns every output as an
-        OrtValue, those named in ``into`` written there. Falls back to CPU once on a provider
-        failure."""
-        graph = self._graphs[kind]
-        given = {**state, **per_run}
-        checked = graph.check_feeds(feeds, given, self._check_labels if self._labels else None)
-        user = {n: self._state.ortvalue(v) for n, v in checked.items()}
-        try:
-            if kind in _BOUND:
-                return self._bound(kind, graph, state, {**user, **per_run}, run_options, into)
-            return graph.run({**user, **given}, None, run_options)
-        except _OrtErrors.InvalidArgument as exc:
-            raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
-        except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError) as exc:
-            bound = {**user, **given}
-            fixed = self._fixed_size_failure(kind, exc, bound, given)
-            if fixed:
-                raise InvalidArgumentError(fixed) from exc
-            providers = self._graphs.providers
-            if not self._fallback or self._state.device[0] == "cpu":
-                raise ProviderError(f"onnxruntime failed running the {kind} graph on {providers[0]}: "
-                                    f"{exc}") from exc
-            compat.warn(f"{providers[0]} failed ({exc}); falling back to CPUExecutionProvider", RuntimeWarning)
-            self.set_providers(["CPUExecutionProvider"])
-            bound = {n: self._state.ortvalue(_numpy(v)) for n, v in bound.items()}
-            return self._graphs[kind].run(bound, None, run_options)
-
-    def _bound(self, kind: str, graph, state, per_run, run_options, into={}) -> dict[str, ort.OrtValue]:
-        """A run through the graph's StepBinding (made again when the state was replaced since:
-        a load, a device move, the other API): the state written after every read of it
-        (``GraphCache.in_place``: the weights and the optimizer's states of a step) is updated
-        in place, the rest alternates between two buffer sets. Returns the outputs, the new
-        state as ``X.updated``."""
-        read = {n: v for n, v in state.items() if n in graph.inputs and updated(n) not in graph.outputs}
-        state = {n: v for n, v in state.items() if n in graph.inputs and updated(n) in graph.outputs}
-        per_run = {**per_run, **read}
-        binding = self._bindings.get(kind)
-        if binding is None or binding.graph is not graph or not binding.holds(state):
-            binding = self._bindings[kind] = StepBinding(graph, state, self._graphs.in_place(kind) & set(state))
-        results, new_state = binding.run(per_run, run_options, into)
-        results.update({updated(n): v for n, v in new_state.items()})
-        return results
-
-    def _fixed_size_failure(self, kind: str, exc: Exception, bound, state) -> str | None:
-        """A run failed in a node whose target shape holds a size the export fixed: say which."""
-        from ..compiler.torch_exports import fixed_size_failure
-
-        graphs = [self._model.graph]
-        if kind in self._graphs.built:
-            graphs.append(onnx.ModelProto.FromString(self._graphs.built[kind]).graph)
-        shapes = {n: v.shape() for n, v in bound.items() if n not in state}
-        return fixed_size_failure(str(exc), graphs, shapes)
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._parts.skipped_steps = value
 
     def _lr_feed(self, feeds: Mapping[str, object]) -> tuple[dict[str, object], float | None]:
         """``feeds`` less the learning rate (onnxruntime-training's loops feed it with every
@@ -292,48 +141,24 @@ class TrainingSession:
         """``run`` taking and returning OrtValues (numpy arrays are accepted as feeds too)."""
         feeds, lr = self._lr_feed(input_feed)
         names = self._check_outputs(output_names)
-        rate = self._lr_ortvalue() if lr is None or lr == self._lr else self._state.ortvalue(np.array(lr, np.float32))
-        if self._dist is not None:
-            results = self._dist.run(feeds, rate)
-            missing = [n for n in names if n not in results]
-            if missing:
-                raise InvalidArgumentError(f"output_names: a pipeline-parallel step returns the loss "
-                                           f"'{self.loss_name}' only, not {missing}")
-        else:
-            results = self._run("step", feeds, dict(self._state.values), {self._builder.lr_name: rate}, run_options)
-            self._check_finite(results)
-            self._state.commit(results)
+        rate = self._state.scalar(self._lr) if lr is None or lr == self._lr else self._state.ortvalue(
+            np.array(lr, np.float32))
+        results = self._executor.run(feeds, rate, names, run_options)
         if lr is not None:
             self.set_learning_rate(lr)
         return [results[n] for n in names]
 
     def _check_outputs(self, output_names) -> list[str]:
-        available = self._output_names() + ([w + GRADIENT for w in self.weights]
-                                            if self._builder.gradients_as_outputs else [])
+        available = self._facts.outputs + ([w + GRADIENT for w in self.weights]
+                                           if self._builder.gradients_as_outputs else [])
         if output_names is None:
-            return self._output_names()
+            return list(self._facts.outputs)
         if isinstance(output_names, str):
             raise InvalidArgumentError(f"output_names is a list of names, got the string {output_names!r}")
         unknown = [n for n in output_names if n not in available]
         if unknown:
             raise InvalidArgumentError(f"output_names: no output named {unknown}; the outputs are {available}")
         return list(output_names)
-
-    def _check_finite(self, results: Mapping[str, ort.OrtValue]) -> None:
-        """Count a step the graph skipped (its loss or gradients held an inf or NaN: it left
-        the state as it was) and warn, or raise with ``on_nonfinite_step="raise"``. Under dynamic
-        loss scaling such steps are the scale search's, counted without a warning."""
-        if ALL_FINITE not in results or bool(results[ALL_FINITE].numpy()):
-            return
-        if LOSS_SCALE in self._state:
-            self.skipped_steps += 1
-            return
-        message = (f"step {self.step + 1}: the loss or a gradient is inf or NaN; the update was skipped (weights, "
-                   "optimizer state and running statistics unchanged)")
-        if self._on_nonfinite == "raise":
-            raise NonFiniteError(message)
-        self.skipped_steps += 1
-        compat.warn(f"{message}; {self.skipped_steps} skipped so far (TrainingSession.skipped_steps)", RuntimeWarning)
 
     def io_binding(self) -> "TrainingIOBinding":
         return TrainingIOBinding(self)
@@ -363,7 +188,7 @@ class TrainingSession:
         return self.train_step(*inputs) if self._training else self.eval_step(*inputs)
 
     def _positional(self, inputs) -> dict[str, object]:
-        names = self._user_inputs()
+        names = self._facts.inputs
         if len(inputs) == 1 and isinstance(inputs[0], Mapping):
             return dict(inputs[0])
         if len(inputs) != len(names):
@@ -375,27 +200,15 @@ class TrainingSession:
         gradient buffers (or replace them after ``lazy_reset_grad``)."""
         if not self._training:
             raise InvalidArgumentError("train_step in eval mode; call train() first")
-        if self._dist is not None:
-            results = self._dist.train_step(self._positional(inputs), self._reset_grads)
-            self._reset_grads = False
-            return _user_result([_numpy(results[n]) for n in self._output_names()])
-        kind = "gradients" if self._reset_grads else "accumulate"
-        state = self._state.take(self.buffers)
-        if kind == "accumulate":
-            state.update({grad_accum(w): self._state.grads[w] for w in self.weights})
-        results = self._run(kind, self._positional(inputs), state, self._state.take(self.weights))
-        self._state.grads = {w: results[updated(grad_accum(w))] for w in self.weights}
-        self._state.commit({updated(b): results[updated(b)] for b in self.buffers})
+        results = self._executor.train_step(self._positional(inputs), self._reset_grads)
         self._reset_grads = False
-        return _user_result([_numpy(results[n]) for n in self._output_names()])
+        return _user_result([_numpy(results[n]) for n in self._facts.outputs])
 
     def eval_step(self, *inputs):
         """The forward with the current weights: returns the model's outputs."""
-        if self._dist is not None and self._dist.topo.stages > 1:
-            raise InvalidArgumentError("eval_step with pipeline_parallel_size > 1 is not supported: save a checkpoint "
-                                       "and evaluate it in one process")
-        results = self._run("eval", self._positional(inputs), self._state.take(self.weights + self.buffers))
-        return _user_result([_numpy(results[n]) for n in self._output_names() if n in results])
+        self._executor.check("eval_step")
+        results = self._executor.eval(self._positional(inputs))
+        return _user_result([_numpy(results[n]) for n in self._facts.outputs if n in results])
 
     def lazy_reset_grad(self) -> None:
         """The next ``train_step`` replaces the gradient buffers instead of adding to them."""
@@ -403,17 +216,9 @@ class TrainingSession:
 
     def optimizer_step(self) -> None:
         """Update the weights with the accumulated gradients (clipped when the parameters ask)."""
-        if not self._state.grads and (self._dist is None or self._dist.owned):  # (a ZeRO rank may own none)
+        if not self._state.grads and self._executor.owned:  # (a ZeRO rank may own none)
             raise InvalidArgumentError("optimizer_step before any train_step: there are no gradients yet")
-        if self._dist is not None:
-            self._dist.optimizer_step(self._lr_ortvalue())
-            return
-        state = {n: v for n, v in self._state.values.items() if n not in (ACCUMULATION_STEP, *self.buffers)
-                 and not n.endswith(GRAD_ACCUM)}
-        per_run = {w + GRADIENT: self._state.grads[w] for w in self.weights}
-        results = self._run("optimizer", {}, state, {**per_run, LEARNING_RATE: self._lr_ortvalue()})
-        self._check_finite(results)
-        self._state.commit(results)
+        self._executor.optimizer_step(self._state.scalar(self._lr))
 
     def get_learning_rate(self) -> float:
         return self._lr
@@ -422,8 +227,7 @@ class TrainingSession:
         lr = float(learning_rate)
         if not np.isfinite(lr) or lr < 0:
             raise InvalidArgumentError(f"learning rate must be finite and >= 0, got {learning_rate!r}")
-        if lr != self._lr:
-            self._lr, self._lr_value = lr, None
+        self._lr = lr
 
     def register_scheduler(self, scheduler, **kwargs):
         """Drive the learning rate by ``scheduler``: "linear" (warm-up then decay),
@@ -446,14 +250,13 @@ class TrainingSession:
     def _parameter_values(self, trainable_only: bool) -> dict[str, np.ndarray]:
         values = {w: self._state.array(w) for w in self.weights}
         if not trainable_only:
-            inits = {t.name: t for t in self._model.graph.initializer}
-            values.update({n: numpy_helper.to_array(inits[n]) for n in self._frozen})
+            values.update({n: numpy_helper.to_array(t) for n, t in self._facts.frozen_initializers().items()})
         return values
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
         shapes = [self._state[w].shape() for w in self.weights]
         if not trainable_only:
-            shapes += [t.dims for t in self._model.graph.initializer if t.name in self._frozen]
+            shapes += [t.dims for t in self._facts.frozen_initializers().values()]
         return int(sum(np.prod(shape, dtype=np.int64) for shape in shapes))
 
     def get_contiguous_parameters(self, trainable_only: bool = True) -> ort.OrtValue:
@@ -483,14 +286,12 @@ class TrainingSession:
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
                                      graph_output_names: Sequence[str]) -> str:
         """Write the forward model with the trained weights, keeping ``graph_output_names``."""
-        if self._dist is not None and self._dist.topo.stages > 1:
-            raise InvalidArgumentError("export_model_for_inferencing with pipeline_parallel_size > 1: each stage holds "
-                                       "its own weights; save a checkpoint and export it from one process")
+        self._executor.check("export_model_for_inferencing")
         from ..training.artifacts import export_model_for_inferencing
 
         proto = onnx.ModelProto()
-        proto.CopyFrom(self._model)
-        state = self.weights + self.buffers
+        proto.CopyFrom(self._facts.model)
+        state = self._facts.state
         keep = [i for i in proto.graph.input if i.name not in state]
         del proto.graph.input[:]
         proto.graph.input.extend(keep)
@@ -520,7 +321,7 @@ class TrainingSession:
         dynamic loss scale and its counter, ``Loss_Scale`` and ``Loss_Scale_Good_Steps``).
         Under ZeRO, only the weights this rank owns (``get_partition_info_map``); a checkpoint
         holds all of them."""
-        held = self.weights if self._dist is None else self._dist.owned
+        held = self._executor.owned
         out = {w: {s: self._state.array(state_of(w, s)) for s in self._builder.state_names_of(w)}
                for w in held}
         out["shared_optimizer_state"] = {n: self._state.array(n) for n in _SHARED if n in self._state}
@@ -569,9 +370,9 @@ class TrainingSession:
     def _assign(self, values: Mapping[str, np.ndarray], owned: bool = False) -> None:
         """Replace state values (and frozen parameters) after checking every name, shape and dtype;
         ``owned``: the arrays are the session's to keep (``StateStore.set``)."""
-        frozen = {t.name: t for t in self._model.graph.initializer if t.name in self._frozen}
-        if self._dist is not None:  # under ZeRO, other ranks hold the state of the weights they own
-            values = {n: v for n, v in values.items() if n not in self._dist.elsewhere}
+        frozen = self._facts.frozen_initializers()
+        elsewhere = self._executor.elsewhere  # under ZeRO, other ranks hold the state of the weights they own
+        values = {n: v for n, v in values.items() if n not in elsewhere}
         unknown = [n for n in values if n not in self._state and n not in frozen]
         if unknown:
             raise InvalidArgumentError(f"no weight or optimizer state named {unknown} in this session "
@@ -592,15 +393,14 @@ class TrainingSession:
         path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is read
         tensors = {n: self._state[n] for n in self._state}  # OrtValues, written from their own memory
         tensors.update({f"{w}.grad": v for w, v in self._state.grads.items()})
-        if self._dist is not None:  # one checkpoint, written by the first rank from copies (gathered averages in place)
-            tensors = self._dist.gathered({n: np.array(v.numpy(), copy=True) for n, v in tensors.items()},
-                                          f"gathering the state for checkpoint {os.fspath(path)}")
-            if tensors is None:
-                return
+        # one checkpoint: the distributed executors gather it on the first rank (None on the others)
+        tensors = self._executor.checkpoint_tensors(tensors, f"gathering the state for checkpoint {os.fspath(path)}")
+        if tensors is None:
+            return
         metadata = {
-            "model": self._fingerprint,
-            "optimizer": json.dumps({"name": self._builder.optimizer, "options": _jsonable(self._builder.optimizer_options),
-                                     "per_weight": {w: _jsonable(o) for w, o in self._builder.per_weight_options.items()}}),
+            "model": self._facts.identity.model,
+            "optimizer": json.dumps({"name": self._builder.optimizer, "options": jsonable(self._builder.optimizer_options),
+                                     "per_weight": {w: jsonable(o) for w, o in self._builder.per_weight_options.items()}}),
             "learning_rate": repr(self._lr),
             "scheduler": json.dumps(self._scheduler.state_dict()) if self._scheduler is not None else "",
             "reset_grads": str(self._reset_grads),
@@ -615,42 +415,21 @@ class TrainingSession:
         read straight into the state's own memory once the whole file has been checked."""
         reader = checkpoint.open_checkpoint(path)
         specs, metadata = reader.specs, reader.metadata
-        between = metadata.get("model") != self._fingerprint and self._between == fingerprint(
-            self.weights, _without_accumulation({n: v for n, v in specs.items() if not n.endswith(".grad")}),
-            self._builder.optimizer)
-        if between:
-            step = int(reader.value(ACCUMULATION_STEP)) if ACCUMULATION_STEP in specs else 0
-            if step:
-                raise CheckpointError(f"checkpoint {os.fspath(path)} was saved in the middle of a gradient accumulation"
-                                      f" (Accumulation_Step {step}); resume it with the gradient_accumulation_steps it "
-                                      "was saved with")
-        elif metadata.get("model") != self._fingerprint:
-            ours, theirs = set(self._state), {n for n in specs if not n.endswith(".grad")}
-            detail = []
-            if theirs - ours:
-                detail.append(f"it has {sorted(theirs - ours)[:5]} which this session does not")
-            if ours - theirs:
-                detail.append(f"it lacks {sorted(ours - theirs)[:5]}")
-            for n in sorted(ours & theirs):
-                if tuple(specs[n].shape) != tuple(self._state[n].shape()):
-                    detail.append(f"'{n}' is {list(specs[n].shape)}, here {list(self._state[n].shape())}")
-                    break
-            raise CheckpointError(f"checkpoint {os.fspath(path)} was saved from another model or optimizer"
-                                  + (": " + "; ".join(detail) if detail else ""))
+        between = checkpoint.resumes(path, reader, self._facts.identity,
+                                     {n: tuple(self._state[n].shape()) for n in self._state})
         into = {}  # the state's own memory, written once the whole file is checked
-        if self._dist is None and self._state.device[0] == "cpu":
+        if self._executor.reads_into_state:
             into = {n: self._state[n].numpy() for n, v in specs.items() if n in self._state
-                    and not (between and n not in _without_accumulation({n: v}))
+                    and not (between and n not in without_accumulation({n: v}))
                     and self._state.spec(n) == (v.shape, v.dtype)}
         tensors = reader.read(into)
         if between:
-            tensors = _without_accumulation(tensors)
+            tensors = without_accumulation(tensors)
             tensors.update({n: np.zeros(*self._state.spec(n)) for n in self._state
                             if n == ACCUMULATION_STEP or n.endswith(GRAD_ACCUM)})
         grads = {n[: -len(".grad")]: v for n, v in tensors.items() if n.endswith(".grad")}
         state = {n: v for n, v in tensors.items() if not n.endswith(".grad") and n not in into}
-        if self._dist is not None:  # the state this rank holds (ZeRO: its weights' share)
-            grads = {w: v for w, v in grads.items() if w in self._dist.owned}
+        grads = self._executor.owned_grads(grads)  # the state this rank holds (ZeRO: its weights' share)
         scheduler = None
         if metadata.get("scheduler"):
             scheduler = schedulers.from_state_dict(json.loads(metadata["scheduler"]),
@@ -669,19 +448,19 @@ class TrainingSession:
     # ------------------------------------------------------------------ session facts
     def get_inputs(self):
         """The inputs a step feeds: the model's inputs (onnxruntime NodeArgs)."""
-        graph = self._graphs["step"]
-        return [graph.inputs[n] for n in self._user_inputs()]
+        graph = self._graphs[Kind.STEP]
+        return [graph.inputs[n] for n in self._facts.inputs]
 
     def get_outputs(self):
-        graph = self._graphs["step"]
+        graph = self._graphs[Kind.STEP]
         args = {a.name: a for a in graph.session.get_outputs()}
-        return [args[n] for n in self._output_names()]
+        return [args[n] for n in self._facts.outputs]
 
     def get_overridable_initializers(self):
-        return self._graphs["step"].session.get_overridable_initializers()
+        return self._graphs[Kind.STEP].session.get_overridable_initializers()
 
     def get_modelmeta(self):
-        return self._graphs["step"].session.get_modelmeta()
+        return self._graphs[Kind.STEP].session.get_modelmeta()
 
     def get_providers(self) -> list[str]:
         return list(self._graphs.providers)
@@ -695,38 +474,30 @@ class TrainingSession:
     def set_providers(self, providers: Sequence | None = None, provider_options: Sequence[dict] | None = None) -> None:
         """Run on other providers: the graphs are loaded again; weights and optimizer state
         move to the new device and are kept."""
-        names, options = _resolve_providers(providers, provider_options, self._params.allow_tf32)
-        device = _providers.device_of(names, options)
-        self._check_precision(device)
-        self._graphs.set_providers(names, options, device)
-        if device != self._state.device:
-            self._state.move_to(device)
-            self._lr_value = None
+        self._executor.place(providers, provider_options)
 
     def enable_fallback(self) -> None:
         """On an execution-provider failure, carry on with CPUExecutionProvider (the default)."""
-        self._fallback = True
+        self._parts.fallback = True
 
     def disable_fallback(self) -> None:
-        self._fallback = False
+        self._parts.fallback = False
 
     def end_profiling(self) -> str:
         """End profiling of the step graph (``sess_options.enable_profiling``); returns the file."""
-        return self._graphs["step"].session.end_profiling()
+        return self._graphs[Kind.STEP].session.end_profiling()
 
     def get_profiling_start_time_ns(self) -> int:
-        return self._graphs["step"].session.get_profiling_start_time_ns()
+        return self._graphs[Kind.STEP].session.get_profiling_start_time_ns()
 
     def get_partition_info_map(self) -> dict:
         """Which weights' optimizer state this process holds under ZeRO: {weight: {"owner":
         rank}} for every weight; {} when nothing is partitioned."""
-        if self._dist is None or not self._dist.zero:
-            return {}
-        return {w: {"owner": r} for w, r in self._dist.owner.items()}
+        return self._executor.partition_info()
 
     def is_output_fp32_node(self, output_name: str) -> bool:
         """Whether ``output_name`` is a float32 output (always its own type: no mixed precision)."""
-        types = {o.name: o.type.tensor_type.elem_type for o in self._model.graph.output}
+        types = {o.name: o.type.tensor_type.elem_type for o in self._facts.model.graph.output}
         return types.get(output_name) == onnx.TensorProto.FLOAT
 
     @property
@@ -738,14 +509,12 @@ class TrainingSession:
     def data_shard(self) -> tuple[int, int]:
         """(this process's replica, the number of replicas): in data-parallel training each
         replica trains on its share of every batch; (0, 1) in one process."""
-        if self._dist is None:
-            return 0, 1
-        return self._dist.topo.replica, self._dist.topo.replicas
+        return self._executor.shard
 
     @property
     def step(self) -> int:
         """Optimizer updates done so far."""
-        return int(_numpy(self._state[STEP]))
+        return self._executor.step
 
 
 class TrainingIOBinding:
@@ -795,18 +564,6 @@ class TrainingIOBinding:
 
 
 # ---------------------------------------------------------------------------- helpers
-_OrtErrors = ort.capi.onnxruntime_pybind11_state
-_BOUND = ("step", "gradients", "accumulate", "optimizer")  # the kinds whose state stays bound
-_CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-
-
-def _resolve_providers(providers, provider_options, allow_tf32: bool = False):
-    """``providers.resolve_providers``, its warnings (a provider not usable here) pointing at
-    the user's call."""
-    with compat.warnings_at_caller():
-        return _providers.resolve_providers(providers, provider_options, allow_tf32)
-
-
 def _default_session_options() -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 2  # onnxruntime's warnings reach the user; the graphs give it none of its own
@@ -846,10 +603,6 @@ def _flatten_state(state: Mapping) -> dict[str, np.ndarray]:
     return flat
 
 
-def _without_accumulation(state: Mapping) -> dict:
-    return {n: v for n, v in state.items() if n != ACCUMULATION_STEP and not n.endswith(GRAD_ACCUM)}
-
-
 def _properties_json(properties) -> str:
     bad = {k: type(v).__name__ for k, v in properties.items()
            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float, str))}
@@ -858,7 +611,18 @@ def _properties_json(properties) -> str:
     return json.dumps(properties, sort_keys=True)
 
 
-def _jsonable(options: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
 
+def executor_for(parts: Parts, topo) -> Executor:
+    """The executor of a session: a LocalExecutor, or with ``topo`` (``distributed.topology``:
+    one of several launched processes) a DataParallel or PipelineParallel over one."""
+    local = LocalExecutor(parts)
+    if topo is None:
+        return local
+    distributed.init_process_group(parts.state.device)
+    if topo.stages == 1:
+        from .distributed.data_parallel import DataParallel
 
+        return DataParallel(local, topo, parts.params)
+    from .distributed.pipeline_parallel import PipelineParallel
+
+    return PipelineParallel(local, topo, parts.params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -18,7 +19,7 @@ import onnxruntime as ort
 
 from ..dtypes import NP_OF_ORT
 from ..errors import InvalidArgumentError
-from ..interface import state_input
+from ..interface import ACCUMULATION_STEP, GRAD_ACCUM, state_input
 
 
 class StateStore:
@@ -26,6 +27,14 @@ class StateStore:
         self.device = device
         self.values: dict[str, ort.OrtValue] = {n: self.ortvalue(v) for n, v in values.items()}
         self.grads: dict[str, ort.OrtValue] = {}  # the step-wise API's gradient buffers, by weight
+        self._scalar: tuple[float, ort.OrtValue] | None = None  # the last float32 scalar, on the device
+
+    def scalar(self, value: float) -> ort.OrtValue:
+        """``value`` as a float32 scalar OrtValue on the device (the learning rate), kept for
+        as long as it is asked for again (until another value, or a move)."""
+        if self._scalar is None or self._scalar[0] != value:
+            self._scalar = value, self.ortvalue(np.array(value, np.float32))
+        return self._scalar[1]
 
     def ortvalue(self, value) -> ort.OrtValue:
         """``value`` as an OrtValue on the device (an OrtValue is taken as it is)."""
@@ -81,11 +90,17 @@ class StateStore:
         for name, value in values.items():
             self.values[name] = self.ortvalue(value if owned else np.array(value, copy=True))
 
+    def drop(self, names: Iterable[str]) -> None:
+        """Forget ``names``: other processes hold them (ZeRO, other pipeline stages)."""
+        for name in names:
+            del self.values[name]
+
     def move_to(self, device: tuple[str, int]) -> None:
         """Move every value (and gradient) to ``device``."""
         if device == self.device:
             return
         self.device = device
+        self._scalar = None
         self.values = {n: self.ortvalue(v.numpy()) for n, v in self.values.items()}
         self.grads = {n: self.ortvalue(v.numpy()) for n, v in self.grads.items()}
 
@@ -94,3 +109,30 @@ def fingerprint(weights: Iterable[str], state: Mapping[str, np.ndarray], optimiz
     """Identifies the model and optimizer a checkpoint belongs to: names, dtypes and shapes."""
     items = sorted((n, np.asarray(v).dtype.str, list(np.shape(v))) for n, v in state.items())
     return hashlib.sha256(json.dumps([optimizer, sorted(weights), items]).encode()).hexdigest()
+
+
+def without_accumulation(state: Mapping) -> dict:
+    """``state`` less the gradient accumulation's (``Accumulation_Step``, ``W.grad_accum``)."""
+    return {n: v for n, v in state.items() if n != ACCUMULATION_STEP and not n.endswith(GRAD_ACCUM)}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a checkpoint must match: the fingerprint of the whole state (``model``), and the
+    same less the accumulation state (``between``: a checkpoint saved between accumulations
+    resumes with another number of accumulation steps, or a pipeline's micro-batches)."""
+
+    weights: tuple[str, ...]
+    optimizer: str
+    model: str
+    between: str
+
+    @classmethod
+    def of(cls, weights: Iterable[str], state: Mapping[str, np.ndarray], optimizer: str) -> "Identity":
+        weights = tuple(weights)
+        return cls(weights, optimizer, fingerprint(weights, state, optimizer),
+                   fingerprint(weights, without_accumulation(state), optimizer))
+
+    def between_of(self, state: Mapping[str, np.ndarray]) -> str:
+        """The ``between`` fingerprint of another ``state`` (a checkpoint's, by specs)."""
+        return fingerprint(self.weights, without_accumulation(state), self.optimizer)

@@ -160,8 +160,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     _check_weights(proto, weights, buffers)
     options = resolve(optimizer, optimizer_options)
     training = GradientGraphBuilder(modelio.DetachedModel(proto, large), weights, [loss_name], loss_name,
-                                    running_statistics=True)
-    training._warn_about_model = False  # said above
+                                    running_statistics=True, warn_about_model=False)  # said above
     training.build()
     inits = {t.name: t for t in proto.graph.initializer}
     values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in [*weights, *buffers]}

@@ -37,11 +37,11 @@ import onnx_ir as ir
 from onnx import numpy_helper
 
 from ..compiler import modelio
-from ..compiler.builder import GradientGraphBuilder
+from ..compiler.builder import Appended, GradientGraphBuilder
 from ..errors import InvalidArgumentError
 from .stages.accumulate import COUNTER, accumulate
 from .stages.clip import clip_by_global_norm
-from ..compiler.passes import guarded, named_output, new_input
+from ..compiler.passes import named_output, new_input
 from .stages.loss_scale import LossScaling, all_finite, next_scale, scale_loss, unscale
 from .stages.optimizer import add_optimizer, initial_state, resolve, state_names
 from ..interface import ALL_FINITE, GRADIENT_SQUARES, LEARNING_RATE, STEP, grad_accum, state_of, updated
@@ -72,12 +72,13 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         memory_efficient_gradient: bool = False,
         deterministic: bool = False,
         base_dir=None,
+        warn_about_model: bool = True,
     ):
         super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients, mixed_precision=mixed_precision,
                          cast_propagation=cast_propagation, recompute=recompute,
                          memory_efficient_gradient=memory_efficient_gradient, deterministic=deterministic,
                          running_statistics=True,
-                         base_dir=base_dir)
+                         base_dir=base_dir, warn_about_model=warn_about_model)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InvalidArgumentError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -95,9 +96,6 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         self.accumulation_steps = accumulation_steps
         self.loss_scaling = loss_scaling
         self.state_dtype = ir.DataType.FLOAT16 if fp16_moments else None
-        self._scaled = None
-        self._loss = None
-        self._keep = None  # bool scalar: whether this run's running statistics are kept
         self.dump_paths: dict[str, str] = {}  # "gradient" / "training" / "transformed" -> path
         self.seed_state: dict[str, dict[str, np.ndarray]] = {}  # weight -> state -> initial value
 
@@ -108,8 +106,8 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         skeleton.graph.doc_string = TRAINING_GRAPH_DOC
         if self.dump_paths.get("gradient"):
             gradients = GradientGraphBuilder(self._source, self.weights, [self.loss], self.loss,
-                                             stop_gradients=self.stop_gradients, base_dir=self.base_dir)
-            gradients._warn_about_model = False
+                                             stop_gradients=self.stop_gradients, base_dir=self.base_dir,
+                                             warn_about_model=False)
             gradients.build().save(self.dump_paths["gradient"])
         for key in ("training", "transformed"):  # no transform runs after the optimizer yet
             if self.dump_paths.get(key):
@@ -117,30 +115,32 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         return self
 
     def _loss_to_differentiate(self, e, loss):
-        self._loss = loss
+        """The loss, or under loss scaling the scaled loss (and the ScaledLoss, for unscaling)."""
         if self.loss_scaling is None:
-            return loss
-        self._scaled = scale_loss(e, loss, self.loss_scaling)
-        return self._scaled.loss
+            return loss, None
+        scaled = scale_loss(e, loss, self.loss_scaling)
+        return scaled.loss, scaled
 
-    def _after_gradients(self, e, weights, grads):
+    def _after_gradients(self, e, weights, grads, loss, scaled):
         """unscaling -> finiteness -> accumulation -> overflow check -> clipping -> optimizer,
-        each a pass of its own."""
+        each a pass of its own. The running statistics are kept where this run's loss and
+        gradients are finite (under loss scaling, its loss: an overflow is part of the scale
+        search)."""
         inputs, outputs, apply = [], [], None
-        if self._scaled is not None:
-            grads = unscale(e, grads, self._scaled)
-            inputs = list(self._scaled.inputs)
-        finite = all_finite(e, {**grads, self.loss: self._loss})
-        self._keep = finite if self._scaled is None else all_finite(e, {self.loss: self._loss})
+        if scaled is not None:
+            grads = unscale(e, grads, scaled)
+            inputs = list(scaled.inputs)
+        finite = all_finite(e, {**grads, self.loss: loss})
+        keep = finite if scaled is None else all_finite(e, {self.loss: loss})
         if self.accumulation_steps > 1:
             # a micro-step that is not finite is dropped, except under loss scaling, where
             # the check on the sum below backs the scale off (as GradScaler)
-            acc = accumulate(e, weights, grads, self.accumulation_steps, keep=None if self._scaled else finite)
+            acc = accumulate(e, weights, grads, self.accumulation_steps, keep=None if scaled else finite)
             grads, apply = acc.grads, acc.apply
             inputs, outputs = inputs + acc.inputs, acc.outputs
-        if self._scaled is not None:
+        if scaled is not None:
             summed_finite = all_finite(e, grads) if self.accumulation_steps > 1 else finite
-            outputs = outputs + next_scale(e, self._scaled, self.loss_scaling, summed_finite, apply)
+            outputs = outputs + next_scale(e, scaled, self.loss_scaling, summed_finite, apply)
             apply = summed_finite if apply is None else e.And(apply, summed_finite)
         elif apply is None:
             apply = finite
@@ -149,10 +149,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
                                self.lr_name, self.step_name, apply, self.state_dtype, self.per_weight_options)
         flag = named_output(e, finite, ALL_FINITE, finite)
-        return update.inputs + inputs, update.outputs + outputs + [flag]
-
-    def _buffer_update(self, e, new, old):
-        return guarded(e, self._keep, new, old)
+        return Appended(update.inputs + inputs, update.outputs + outputs + [flag], keep)
 
     def options_of(self, weight: str) -> dict:
         """The optimizer options of ``weight`` (its own, or the shared ones)."""
@@ -217,24 +214,17 @@ class StepGradientsBuilder(GradientGraphBuilder):
     ``accumulate`` the input buffer ``W.grad_accum`` plus the gradient. Running statistics
     come out as ``B.updated``, kept only when the loss and gradients are finite."""
 
-    _warn_about_model = False  # the session said it at construction
-
     def __init__(self, training: TrainingGraphBuilder, outputs, accumulate: bool):
         super().__init__(training._source, training.weights, outputs, training.loss, running_statistics=True,
                          mixed_precision=training.mixed_precision, cast_propagation=training.cast_propagation,
                          recompute=training.recompute, memory_efficient_gradient=training.memory_efficient_gradient,
-                         deterministic=training.deterministic, base_dir=training.base_dir)
+                         deterministic=training.deterministic, base_dir=training.base_dir,
+                         warn_about_model=False)  # the session said it at construction
         self.accumulate = accumulate
-        self._loss = self._finite = None
 
-    def _loss_to_differentiate(self, e, loss):
-        self._loss = loss
-        return loss
-
-    def _after_gradients(self, e, weights, grads):
+    def _after_gradients(self, e, weights, grads, loss, seeded):
         inputs, outputs = [], []
-        if self.buffers:
-            self._finite = all_finite(e, {**grads, self.loss: self._loss})
+        finite = all_finite(e, {**grads, self.loss: loss}) if self.buffers else None
         for w in weights:
             g = grads[w.name]
             if self.accumulate:
@@ -242,10 +232,7 @@ class StepGradientsBuilder(GradientGraphBuilder):
                 inputs.append(buf)
                 g = e.Add(buf, g)
             outputs.append(named_output(e, g, updated(grad_accum(w.name)), w))
-        return inputs, outputs
-
-    def _buffer_update(self, e, new, old):
-        return guarded(e, self._finite, new, old)
+        return Appended(inputs, outputs, finite)
 
     def _gradients_as_outputs(self) -> bool:
         return False
@@ -254,10 +241,18 @@ class StepGradientsBuilder(GradientGraphBuilder):
 def eval_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """The evaluation graph of a forward model: its inference form (``passes.running_stats``)
     with no vector product left to onnxruntime's fused transposed kernel."""
+    from ..compiler.passes.context import Context
     from ..compiler.passes.running_stats import inference_form
-    from ..compiler.passes.vector_products import model_without_fused_vector_products
+    from ..compiler.passes.vector_products import vector_products_without_transpose
 
-    return model_without_fused_vector_products(inference_form(model))
+    model = inference_form(model)
+    try:  # the ranks the rewrite reads; without them the rank test runs at run time
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001
+        pass
+    ir_model = modelio.to_ir(model)
+    vector_products_without_transpose(ir_model, Context.of(ir_model))
+    return ir.to_proto(ir_model)
 
 
 TRAINING_GRAPH_DOC = (
@@ -314,14 +309,15 @@ _ORT_NAMES = ("SGDOptimizer", "AdamOptimizer", "LambOptimizer")  # both of onnxr
 
 
 def from_parameters(model, params, outputs: Iterable[str] | None = None, base_dir=None,
-                    weights: list[str] | None = None) -> TrainingGraphBuilder:
+                    weights: list[str] | None = None, *, warn_about_model: bool = True) -> TrainingGraphBuilder:
     """A TrainingGraphBuilder configured by a ``TrainingParameters``: weights_to_train (default:
     every float initializer) less weights_not_to_train, loss_output_name, the optimizer and its
     attributes (onnxruntime's keys alpha/beta/lambda/epsilon/do_bias_correction/max_norm_clip
     or plain ones), gradient_accumulation_steps, enable_grad_norm_clip (max_norm_clip, default
     1.0, as onnxruntime), lr_params_feed_name, set_gradients_as_graph_outputs, the dump paths
     and set_optimizer_initial_state. ``weights``, when given, are the weights to train as
-    :func:`weights_of` found them (the model may have them as graph inputs by now)."""
+    :func:`weights_of` found them (the model may have them as graph inputs by now).
+    ``warn_about_model``: as GradientGraphBuilder's (False where the caller warned already)."""
     name = params.optimizer_name()
     if name is None:
         raise InvalidArgumentError("TrainingParameters.training_optimizer_name is empty; set an optimizer, "
@@ -336,7 +332,8 @@ def from_parameters(model, params, outputs: Iterable[str] | None = None, base_di
         per_weight_options=per_weight,
         lr_name=params.lr_params_feed_name, gradients_as_outputs=params.set_gradients_as_graph_outputs,
         max_grad_norm=max_norm if params.enable_grad_norm_clip else None,
-        accumulation_steps=params.gradient_accumulation_steps, **graph_options(params))
+        accumulation_steps=params.gradient_accumulation_steps, warn_about_model=warn_about_model,
+        **graph_options(params))
     builder.dump_paths = {"gradient": params.model_with_gradient_graph_path,
                           "training": params.model_with_training_graph_path,
                           "transformed": params.model_after_graph_transforms_path}

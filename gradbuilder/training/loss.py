@@ -21,20 +21,22 @@ sum of the weights of the kept targets). bcewithlogits uses the overflow-free fo
     loss = (1 - t)*x + (1 + (pos_weight - 1)*t) * (log(1 + exp(-|x|)) + relu(-x))
 
 times ``weight``, as torch does. The model given is never modified; the result is a new
-ModelProto with the model's outputs first and the loss last.
+ModelProto with the model's outputs first and the loss last. The blocks are written with the
+compiler's ``Emitter`` over ``onnx_ir`` (names, constants and opset-aware reductions as
+everywhere else), their nodes named ``<loss_name>/<Op>_node``.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 import onnx
 import onnx.version_converter
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import compat
 from ..compiler import modelio
+from ..compiler.emitter import Emitter
 from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError, InvalidModelError
 
@@ -137,58 +139,6 @@ def _tensor_type(elem: int, dims) -> onnx.TypeProto:
     return t
 
 
-def _value_info(name: str, type_proto: onnx.TypeProto) -> onnx.ValueInfoProto:
-    vi = onnx.ValueInfoProto()
-    vi.name = name
-    vi.type.CopyFrom(type_proto)
-    return vi
-
-
-def _scalar_dims():
-    return []
-
-
-class _Nodes:
-    """Appends nodes with fresh names ``<loss>/<tag>`` that clash with nothing in the model."""
-
-    def __init__(self, graph: onnx.GraphProto, prefix: str, taken: set[str], opset: int, elem: int):
-        self.graph, self.prefix, self.taken, self.opset, self.elem = graph, prefix, taken, opset, elem
-
-    def fresh(self, tag: str) -> str:
-        base = f"{self.prefix}/{tag}"
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, n_out: int = 1, **attrs):
-        outs = [out or self.fresh(op_type.lower())] + [self.fresh(op_type.lower()) for _ in range(n_out - 1)]
-        self.graph.node.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh(op_type), **attrs))
-        return outs[0] if n_out == 1 else outs
-
-    def const(self, value, tag: str = "const", elem: int | None = None) -> str:
-        """A Constant node holding ``value`` (the loss's float type unless ``elem`` says)."""
-        elem = self.elem if elem is None else elem
-        if elem == TensorProto.BFLOAT16:  # no numpy bfloat16: float32 constant, then Cast
-            return self.op("Cast", self.const(value, tag, TensorProto.FLOAT), to=TensorProto.BFLOAT16)
-        arr = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(elem))
-        name = self.fresh(tag)
-        self.graph.node.append(helper.make_node(
-            "Constant", [], [name], name=self.fresh("Constant"), value=numpy_helper.from_array(arr, name)))
-        return name
-
-    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: int, out: str | None = None) -> str:
-        """Reduce over ``axes`` (all axes when None), axes as an input from opset 18
-        (ReduceSum from 13), as an attribute before."""
-        if axes is None:
-            return self.op(op_type, x, out=out, keepdims=keepdims)
-        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
-        if axes_as_input:
-            return self.op(op_type, x, self.const(list(axes), "axes", TensorProto.INT64), out=out, keepdims=keepdims)
-        return self.op(op_type, x, out=out, axes=list(axes), keepdims=keepdims)
-
-
 def _as_initializer(value, name: str, elem: int, what: str) -> onnx.TensorProto:
     try:
         arr = np.asarray(value, dtype=np.float64)
@@ -242,16 +192,56 @@ def append_loss(
     >>> m = append_loss(model, "cross_entropy", "logits", weight=[1.0, 2.0, 0.5])
     >>> GradientGraphBuilder(m, weights=["W"], outputs=["loss"], loss="loss").build()
     """
-    kind = _kind(kind)
-    reduction = _reduction(reduction)
+    kind, reduction = _kind(kind), _reduction(reduction)
+    label_smoothing = _check_options(kind, output, target_name, loss_name, weight, ignore_index, pos_weight,
+                                     label_smoothing)
+    proto = _with_loss_opset(modelio.load_proto(model), kind)
+    out_type = _output_type(proto, output)
+    dims = _dims(out_type)
+    if kind == "nll":
+        _warn_if_probabilities(proto.graph, output)
+    _check_names(proto.graph, kind, output, dims, target_name, loss_name, weight, pos_weight)
+    opset = modelio.default_opset(proto)
+    initializers = _loss_initializers(kind, output, out_type, loss_name, weight, pos_weight)
+    target_type = _target_type(kind, out_type)
+
+    ir_model = modelio.to_ir(proto)
+    del proto
+    graph = ir_model.graph
+    target = _graph_input(target_name, target_type)
+    graph.inputs.append(target)
+    weights = {}
+    for key, tensor in initializers.items():
+        weights[key] = _graph_initializer(tensor)
+        graph.register_initializer(weights[key])
+    e = Emitter(graph, opset)
+    e.scope = f"{loss_name}/"
+    e.reserve(loss_name)
+    x, dtype = _value_named(graph, output), ir.DataType(out_type.tensor_type.elem_type)
+    if kind in _CLASS_KINDS:
+        loss = _class_loss(e, kind, x, target, dtype, reduction, weights.get("weight"), ignore_index, label_smoothing,
+                           dims)
+    else:
+        loss = _elementwise_loss(e, kind, x, target, dtype, reduction, weights.get("weight"), weights.get("pos_weight"))
+    for node in e.nodes:  # no value_info for the block's values: the runtime infers them
+        for v in node.outputs:
+            v.type, v.shape = None, None
+    loss.name = loss_name
+    loss.type = ir.TensorType(dtype)
+    loss.shape = ir.serde.deserialize_type_proto_for_shape(target_type) if reduction == "none" else ir.Shape([])
+    graph.outputs.append(loss)
+    return ir.to_proto(ir_model)
+
+
+def _check_options(kind, output, target_name, loss_name, weight, ignore_index, pos_weight, label_smoothing) -> float:
+    """Refuse the options ``kind`` does not take; returns ``label_smoothing`` as a float."""
     for what, name in (("output", output), ("target_name", target_name), ("loss_name", loss_name)):
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"{what} must be a non-empty string, got {name!r}")
     if target_name == loss_name:
         raise InvalidArgumentError(f"target_name and loss_name are both '{loss_name}'; give them different names")
-    classes = kind in _CLASS_KINDS
     if ignore_index is not None:
-        if not classes:
+        if kind not in _CLASS_KINDS:
             raise InvalidArgumentError(
                 f"ignore_index applies to class-index targets (crossentropy, nll), not to '{kind}', "
                 "whose target is a float tensor"
@@ -268,27 +258,32 @@ def append_loss(
             raise InvalidArgumentError(f"label_smoothing applies to crossentropy only, not to '{kind}'")
         if not 0.0 <= label_smoothing <= 1.0:
             raise InvalidArgumentError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
+    return label_smoothing
 
-    proto = modelio.load_proto(model)
+
+def _with_loss_opset(proto: onnx.ModelProto, kind: str) -> onnx.ModelProto:
+    """``proto`` with an ai.onnx opset the loss's operators exist in."""
     modelio.add_default_opset(proto)
     opset = modelio.default_opset(proto)
-    if classes and opset < 13:
-        # SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss need opset 12 (13 for bfloat16
-        # and ReduceSum's axes input); upgrade the model as GradientGraphBuilder would anyway.
-        try:
-            proto = onnx.version_converter.convert_version(proto, 13)
-        except Exception as exc:
-            raise InvalidModelError(
-                f"the model uses ai.onnx opset {opset}; '{kind}' needs opset 13 or newer and onnx's "
-                f"version converter could not upgrade it: {exc}"
-            ) from exc
-        opset = 13
-    graph = proto.graph
+    if kind not in _CLASS_KINDS or opset >= 13:
+        return proto
+    # SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss need opset 12 (13 for bfloat16 and
+    # ReduceSum's axes input); upgrade the model as GradientGraphBuilder would anyway.
+    try:
+        return onnx.version_converter.convert_version(proto, 13)
+    except Exception as exc:
+        raise InvalidModelError(
+            f"the model uses ai.onnx opset {opset}; '{kind}' needs opset 13 or newer and onnx's "
+            f"version converter could not upgrade it: {exc}"
+        ) from exc
 
+
+def _output_type(proto: onnx.ModelProto, output: str) -> onnx.TypeProto:
+    """The type of ``output``, a float tensor; an error naming what is wrong otherwise."""
     out_type = _type_of(proto, output)
     if out_type is None:
-        outputs = [o.name for o in graph.output]
-        if output not in _all_names(graph):
+        outputs = [o.name for o in proto.graph.output]
+        if output not in _all_names(proto.graph):
             raise InvalidArgumentError(
                 f"output: no value named '{output}' in the model; its outputs are {outputs}"
             )
@@ -303,39 +298,42 @@ def append_loss(
             f"output '{output}' has type {TensorProto.DataType.Name(elem)}; a loss reads a float tensor "
             "(float16, bfloat16, float32 or float64)"
         )
-    dims = _dims(out_type)
-    if kind == "nll":
-        _warn_if_probabilities(graph, output)
+    return out_type
 
+
+def _check_names(graph: onnx.GraphProto, kind, output, dims, target_name, loss_name, weight, pos_weight) -> None:
+    """The names the loss adds are free, and a class loss reads scores of rank 2 or more."""
     taken = _all_names(graph)
     for what, name in (("loss_name", loss_name), ("target_name", target_name)):
         if name in taken:
             raise InvalidArgumentError(
                 f"{what}: the model already has a value named '{name}'; choose another {what}"
             )
-    weight_name, pos_weight_name = f"{loss_name}.class_weight", f"{loss_name}.pos_weight"
-    for name, given in ((weight_name, weight), (pos_weight_name, pos_weight)):
+    for name, given in ((f"{loss_name}.class_weight", weight), (f"{loss_name}.pos_weight", pos_weight)):
         if given is not None and name in taken:
             raise InvalidArgumentError(f"the model already has a value named '{name}'; choose another loss_name")
-    if classes and dims is not None and len(dims) < 2:
+    if kind in _CLASS_KINDS and dims is not None and len(dims) < 2:
         raise InvalidArgumentError(
             f"'{kind}' reads scores shaped [N, C] or [N, C, d1..]; output '{output}' has rank {len(dims)}"
         )
-    taken |= {loss_name, target_name, weight_name, pos_weight_name}
 
-    # Target input
-    if classes:
-        target_dims = None if dims is None else [dims[0]] + dims[2:]
-        target_type = _tensor_type(TensorProto.INT64, target_dims)
-    else:
-        target_dims = dims
-        target_type = _tensor_type(elem, dims)
-    graph.input.append(_value_info(target_name, target_type))
 
-    # Weights as initializers
+def _target_type(kind: str, out_type: onnx.TypeProto) -> onnx.TypeProto:
+    """Class indices (int64, the scores' shape less the class axis), or the output's type."""
+    dims = _dims(out_type)
+    if kind in _CLASS_KINDS:
+        return _tensor_type(TensorProto.INT64, None if dims is None else [dims[0]] + dims[2:])
+    return _tensor_type(out_type.tensor_type.elem_type, dims)
+
+
+def _loss_initializers(kind, output, out_type, loss_name, weight, pos_weight) -> dict[str, onnx.TensorProto]:
+    """``weight`` and ``pos_weight`` as initializers of the output's type, checked against its
+    shape: {"weight": ..., "pos_weight": ...} for those given."""
+    elem, dims = out_type.tensor_type.elem_type, _dims(out_type)
+    out = {}
     if weight is not None:
-        init = _as_initializer(weight, weight_name, elem, "weight")
-        if classes:
+        init = _as_initializer(weight, f"{loss_name}.class_weight", elem, "weight")
+        if kind in _CLASS_KINDS:
             if len(init.dims) != 1:
                 raise InvalidArgumentError(f"weight is per class, shape [C]; got shape {list(init.dims)}")
             if dims is not None and dims[1].HasField("dim_value") and dims[1].dim_value != init.dims[0]:
@@ -344,24 +342,32 @@ def append_loss(
                 )
         else:
             _check_broadcast(init.dims, dims, "weight")
-        graph.initializer.append(init)
+        out["weight"] = init
     if pos_weight is not None:
-        init = _as_initializer(pos_weight, pos_weight_name, elem, "pos_weight")
+        init = _as_initializer(pos_weight, f"{loss_name}.pos_weight", elem, "pos_weight")
         _check_broadcast(init.dims, dims, "pos_weight")
-        graph.initializer.append(init)
+        out["pos_weight"] = init
+    return out
 
-    e = _Nodes(graph, loss_name, taken, opset, elem)
-    if kind in _CLASS_KINDS:
-        _class_loss(e, kind, output, target_name, loss_name, reduction,
-                    weight_name if weight is not None else None, ignore_index, label_smoothing, dims)
-    else:
-        _elementwise_loss(e, kind, output, target_name, loss_name, reduction,
-                          weight_name if weight is not None else None,
-                          pos_weight_name if pos_weight is not None else None)
 
-    loss_dims = target_dims if reduction == "none" else _scalar_dims()
-    graph.output.append(_value_info(loss_name, _tensor_type(elem, loss_dims)))
-    return proto
+def _graph_input(name: str, type_proto: onnx.TypeProto) -> ir.Value:
+    return ir.Value(name=name, type=ir.serde.deserialize_type_proto_for_type(type_proto),
+                    shape=ir.serde.deserialize_type_proto_for_shape(type_proto))
+
+
+def _graph_initializer(tensor: onnx.TensorProto) -> ir.Value:
+    value = ir.serde.deserialize_tensor(tensor)
+    return ir.Value(name=tensor.name, type=ir.TensorType(value.dtype), shape=ir.Shape(list(tensor.dims)),
+                    const_value=value)
+
+
+def _value_named(graph: ir.Graph, name: str) -> ir.Value:
+    for v in graph.inputs:
+        if v.name == name:
+            return v
+    if name in graph.initializers:
+        return graph.initializers[name]
+    return next(o for node in graph for o in node.outputs if o.name == name)
 
 
 # ops that pass probabilities on as probabilities
@@ -383,76 +389,70 @@ def _warn_if_probabilities(graph: onnx.GraphProto, output: str) -> None:
                 "itself), or make the model output LogSoftmax")
 
 
-def _class_loss(e: _Nodes, kind, scores, target, loss, reduction, weight, ignore_index, smoothing, dims):
-    attrs = {"reduction": reduction if not smoothing else "none"}
-    if ignore_index is not None:
-        attrs["ignore_index"] = int(ignore_index)
-    inputs = [scores, target] + ([weight] if weight else [])
+def _class_loss(e: Emitter, kind, scores, target, dtype: ir.DataType, reduction, weight, ignore_index, smoothing,
+                dims) -> ir.Value:
     op_type = "SoftmaxCrossEntropyLoss" if kind == "crossentropy" else "NegativeLogLikelihoodLoss"
+    attrs = {"reduction": reduction if not smoothing else "none",
+             "ignore_index": int(ignore_index) if ignore_index is not None else None}
+    inputs = [scores, target] + ([weight] if weight is not None else [])
     if not smoothing:
-        e.op(op_type, *inputs, out=loss, **attrs)
-        return
+        return e.op(op_type, *inputs, **attrs)
     # torch: (1 - eps) * nll + eps/C * smooth, smooth = -sum_c w_c*log_prob[:, c] (0 where
     # the target is ignored), both reduced over the kept targets (mean: / sum of w[target]).
     if dims is None:
         raise InvalidArgumentError("label_smoothing needs the output's rank to be known")
-    n_classes = e.op("Gather", e.op("Shape", scores), e.const(1, "class_axis", TensorProto.INT64), axis=0)
-    nll, log_prob = e.op(op_type, *inputs, n_out=2, **attrs)
+
+    def const(x):
+        return e.const(np.array(x), dtype=dtype)
+
+    n_classes = e.Gather(e.Shape(scores), e.ints(1), axis=0)
+    nll, log_prob = e.op(op_type, *inputs, outputs=2, **attrs)
     weighted = log_prob
-    if weight:
-        w = weight
-        if len(dims) > 2:
-            w = e.op("Unsqueeze", w, e.const(list(range(1, len(dims) - 1)), "axes", TensorProto.INT64))
-        weighted = e.op("Mul", log_prob, w)
-    smooth = e.op("Neg", e.reduce("ReduceSum", weighted, [1], keepdims=0))
+    if weight is not None:
+        w = e.Unsqueeze(weight, list(range(1, len(dims) - 1))) if len(dims) > 2 else weight
+        weighted = e.Mul(log_prob, w)
+    smooth = e.Neg(e.reduce("ReduceSum", weighted, [1], keepdims=False))
     keep = None
     if ignore_index is not None:
-        ignored = e.op("Equal", target, e.const(int(ignore_index), "ignore_index", TensorProto.INT64))
-        smooth = e.op("Where", ignored, e.const(0.0, "zero"), smooth)
-        keep = e.op("Not", ignored)
-    eps = e.op("Div", e.const(smoothing, "eps"), e.op("CastLike", n_classes, smooth))
-    per = e.op("Add", e.op("Mul", e.const(1.0 - smoothing, "one_minus_eps"), nll), e.op("Mul", eps, smooth))
+        ignored = e.Equal(target, e.ints(int(ignore_index)))
+        smooth = e.Where(ignored, const(0.0), smooth)
+        keep = e.Not(ignored)
+    eps = e.Div(const(smoothing), e.Cast(n_classes, to=int(dtype)))
+    per = e.Add(e.Mul(const(1.0 - smoothing), nll), e.Mul(eps, smooth))
     if reduction == "none":
-        e.op("Identity", per, out=loss)
-        return
-    total = e.reduce("ReduceSum", per, None, keepdims=0)
+        return e.Identity(per)
+    total = e.reduce("ReduceSum", per, None, keepdims=False)
     if reduction == "sum":
-        e.op("Identity", total, out=loss)
-        return
-    if weight:
-        safe = target if keep is None else e.op("Where", keep, target, e.const(0, "zero_class", TensorProto.INT64))
-        kept_w = e.op("Gather", weight, safe, axis=0)
+        return e.Identity(total)
+    if weight is not None:
+        safe = target if keep is None else e.Where(keep, target, e.ints(0))
+        kept_w = e.Gather(weight, safe, axis=0)
         if keep is not None:
-            kept_w = e.op("Mul", kept_w, e.op("CastLike", keep, kept_w))
-        denom = e.reduce("ReduceSum", kept_w, None, keepdims=0)
+            kept_w = e.Mul(kept_w, e.Cast(keep, to=int(dtype)))
+        denom = e.reduce("ReduceSum", kept_w, None, keepdims=False)
     elif keep is not None:
-        denom = e.reduce("ReduceSum", e.op("CastLike", keep, smooth), None, keepdims=0)
+        denom = e.reduce("ReduceSum", e.Cast(keep, to=int(dtype)), None, keepdims=False)
     else:
-        denom = e.op("CastLike", e.op("Size", target), smooth)
-    e.op("Div", total, denom, out=loss)
+        denom = e.Cast(e.Size(target), to=int(dtype))
+    return e.Div(total, denom)
 
 
-def _elementwise_loss(e: _Nodes, kind, x, target, loss, reduction, weight, pos_weight):
+def _elementwise_loss(e: Emitter, kind, x, target, dtype: ir.DataType, reduction, weight, pos_weight) -> ir.Value:
     if kind == "mse":
-        diff = e.op("Sub", x, target)
-        per = e.op("Mul", diff, diff)
+        diff = e.Sub(x, target)
+        per = e.Mul(diff, diff)
     elif kind == "l1":
-        per = e.op("Abs", e.op("Sub", x, target))
+        per = e.Abs(e.Sub(x, target))
     else:  # bcewithlogits
         # log(1 + exp(-|x|)) + relu(-x) = log(1 + exp(-x)), without overflow
-        softplus_neg = e.op("Add", e.op("Log", e.op("Add", e.const(1.0, "one"), e.op("Exp", e.op("Neg", e.op("Abs", x))))),
-                            e.op("Relu", e.op("Neg", x)))
-        one_minus_t = e.op("Sub", e.const(1.0, "one"), target)
-        if pos_weight:
-            log_weight = e.op("Add", e.const(1.0, "one"),
-                              e.op("Mul", e.op("Sub", pos_weight, e.const(1.0, "one")), target))
-            softplus_neg = e.op("Mul", log_weight, softplus_neg)
-        per = e.op("Add", e.op("Mul", one_minus_t, x), softplus_neg)
-        if weight:
-            per = e.op("Mul", per, weight)
+        one = e.const(np.array(1.0), dtype=dtype)
+        softplus_neg = e.Add(e.Log(e.Add(one, e.Exp(e.Neg(e.Abs(x))))), e.Relu(e.Neg(x)))
+        one_minus_t = e.Sub(one, target)
+        if pos_weight is not None:
+            softplus_neg = e.Mul(e.Add(one, e.Mul(e.Sub(pos_weight, one), target)), softplus_neg)
+        per = e.Add(e.Mul(one_minus_t, x), softplus_neg)
+        if weight is not None:
+            per = e.Mul(per, weight)
     if reduction == "none":
-        e.op("Identity", per, out=loss)
-    elif reduction == "sum":
-        e.reduce("ReduceSum", per, None, keepdims=0, out=loss)
-    else:
-        e.reduce("ReduceMean", per, None, keepdims=0, out=loss)
+        return e.Identity(per)
+    return e.reduce("ReduceSum" if reduction == "sum" else "ReduceMean", per, None, keepdims=False)

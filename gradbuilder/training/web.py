@@ -33,6 +33,7 @@ from .. import compat, files
 from ..compiler import modelio
 from ..errors import InvalidArgumentError
 from ..interface import ALL_FINITE, LEARNING_RATE, STEP, updated
+from .stages.optimizer import jsonable
 
 FORMAT = "gradbuilder-web/1"
 NAMES = ("training_model.onnx", "eval_model.onnx", "inference_model.onnx", "inference_model.onnx.data",
@@ -82,8 +83,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         attributes["max_norm_clip"] = max_grad_norm
     if attributes:
         params.optimizer_attributes_map = {w: attributes for w in weights}
-    builder = from_parameters(modelio.DetachedModel(proto, large), params, weights=weights)
-    builder._warn_about_model = False
+    builder = from_parameters(modelio.DetachedModel(proto, large), params, weights=weights, warn_about_model=False)
     inits = {t.name: t for t in proto.graph.initializer}
     values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in weights + buffers}
     state = {**builder.initial_state({w: values[w] for w in weights}), **values}
@@ -104,7 +104,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         "learning_rate": {"input": LEARNING_RATE, "value": float(lr)},
         "step": STEP,
         "all_finite": ALL_FINITE,
-        "optimizer": {"name": builder.optimizer, "options": _jsonable(builder.optimizer_options),
+        "optimizer": {"name": builder.optimizer, "options": jsonable(builder.optimizer_options),
                       "max_grad_norm": max_grad_norm},
         "state": [{"input": i, "output": o, **_spec(state[i])} for i, o in pairs],
         "training": _signature(training, {i for i, _ in pairs} | {LEARNING_RATE}),
@@ -192,6 +192,3 @@ def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
 
     return save({n: np.array(v, order="C") for n, v in tensors.items()})  # (ascontiguousarray makes 0-d 1-d)
 
-
-def _jsonable(options: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}

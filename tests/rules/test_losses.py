@@ -122,7 +122,7 @@ def grads_without_shapes(op, inputs, attrs, *, opset, num_outputs=1):
                 values[v.name] = v
         for v in list(m.graph.inputs) + list(m.graph.initializers.values()):
             v.shape = None
-        res = differentiate(m.graph, [values[w] for w in weights], values["loss"], opset, Emitter(m.graph, opset))
+        res = differentiate(m.graph, [values[w] for w in weights], values["loss"], Emitter(m.graph, opset))
         m.graph.outputs.clear()
         m.graph.outputs.extend(res.grads[w] for w in weights)
         built = ir.to_proto(m)

@@ -63,7 +63,7 @@ def differentiate_model(model, weights, *, forget_shapes=False):
     if forget_shapes:
         for v in values.values():
             v.shape = None
-    res = differentiate(m.graph, [values[w] for w in weights], values["loss"], opset, Emitter(m.graph, opset))
+    res = differentiate(m.graph, [values[w] for w in weights], values["loss"], Emitter(m.graph, opset))
     m.graph.outputs.clear()
     m.graph.outputs.extend(res.grads[w] for w in weights)
     return ir.to_proto(m)

@@ -1,6 +1,8 @@
 """Graph passes, one module each. Every pass is a function ``fn(model, ctx)`` over the onnx_ir
-model (``ctx``: ``compiler.pipeline.Context``), listed in the pipeline's PREPARE or FINISH;
-this module holds the few helpers they and the training stages share."""
+model (``ctx``: ``passes.context.Context``), listed in the pipeline's PREPARE or FINISH; a pass
+imports the context, the IR helpers (``compiler.values``, ``compiler.traversal``) and the
+emitter, never the pipeline or the builder. This module holds the few helpers the passes and
+the training stages share."""
 
 import onnx_ir as _ir
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ..traversal import has_subgraph
 from ..values import attr, constant_of, dims_of
 from ..emitter import collect_names
 from . import copy_type
@@ -301,7 +302,7 @@ def fold_shape_computations(model: ir.Model, ctx) -> None:
     class ShapeFolder(constant_folding.FoldConstantsPass):
         def process_node(self, node, is_function):
             if node.domain not in ("", "ai.onnx") or not all(_integer_like(o) for o in node.outputs):
-                if node.domain in ("", "ai.onnx") and not _has_subgraph(node) and _shape_unknown(node):
+                if node.domain in ("", "ai.onnx") and not has_subgraph(node) and _shape_unknown(node):
                     self._do_inference(node)  # a shape the folded sizes now give (a Reshape's)
                 return None
             return super().process_node(node, is_function)
@@ -310,8 +311,6 @@ def fold_shape_computations(model: ir.Model, ctx) -> None:
     ctx.emitter.reserve(*collect_names(model.graph))  # the folder's new names are taken too
 
 
-def _has_subgraph(node: ir.Node) -> bool:
-    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
 
 
 def _shape_unknown(node: ir.Node) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
+from ..traversal import subgraph_nodes
+
 
 def remove_unused_nodes(model: ir.Model, ctx=None) -> ir.Model:
     """Mark and sweep from the graph outputs over the main graph (subgraphs are kept whole)."""
@@ -42,13 +44,5 @@ _CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 def _inputs_with_subgraph_captures(node: ir.Node):
     yield from (v for v in node.inputs if v is not None)
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs = [attr.value]
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs = list(attr.value)
-        else:
-            continue
-        for g in graphs:
-            for inner in ir.traversal.RecursiveGraphIterator(g):
-                yield from (v for v in inner.inputs if v is not None)
+    for inner in subgraph_nodes(node):
+        yield from (v for v in inner.inputs if v is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from ..traversal import reached_from
 from ..values import attr, constant_of
 
 
@@ -76,12 +77,6 @@ def expose_norm_statistics(model: ir.Model, ctx) -> None:
                 out.shape = ir.Shape(list(dims[:a]) + [1] * (len(dims) - a))
 
 
-def _reached_by_weights(model: ir.Model, ctx):
+def _reached_by_weights(model: ir.Model, ctx) -> list[ir.Node]:
     """The nodes of the main graph that a float value from ``ctx.wrt`` reaches, in order."""
-    from ..autodiff import is_float, node_inputs
-
-    reached = set(ctx.wrt)
-    for node in list(model.graph):
-        if any(v in reached for v in node_inputs(node) if v is not None):
-            reached.update(o for o in node.outputs if is_float(o))
-            yield node
+    return reached_from(list(model.graph), ctx.wrt).nodes

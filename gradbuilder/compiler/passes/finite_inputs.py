@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import FINITE_INPUT
+from ..traversal import has_subgraph
 
 _SOURCES = frozenset({"Log", "Reciprocal", "Pow", "LogSoftmax", "Tan", "Atanh", "Acosh", "Asin", "Acos",
                       "Div", "Mod"})
@@ -62,8 +63,7 @@ def mark_finite_softmax_inputs(model: ir.Model, ctx) -> None:
             result = value.is_graph_input() and value.const_value is None or const_may_be_inf(value)
         else:
             node = value.producer()
-            subgraphs = any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
-            if subgraphs or node.domain not in ("", "ai.onnx"):
+            if has_subgraph(node) or node.domain not in ("", "ai.onnx"):
                 result = True
             elif node.op_type == "Div" and shapes_only(node.inputs[1]):
                 result = may_be_inf(node.inputs[0])

@@ -37,6 +37,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from ..traversal import has_subgraph
+
 F32 = ir.DataType.FLOAT
 LOW_TYPES = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
@@ -136,7 +138,7 @@ class _Autocast:
         """A main-graph default-domain node whose data inputs are all known float32."""
         if node.graph is not self.graph or node.domain not in ("", "ai.onnx"):
             return False
-        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        if has_subgraph(node):
             return False
         data = self.data_inputs(node)
         return bool(data) and all(node.inputs[i].dtype == F32 for i in data) and self.schema_allows(node, data)

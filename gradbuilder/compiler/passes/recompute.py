@@ -29,6 +29,7 @@ from dataclasses import field
 import numpy as np
 import onnx_ir as ir
 
+from ..traversal import has_subgraph, subgraph_nodes
 from ..values import attr, constant_of, optional_input
 
 RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
@@ -114,7 +115,7 @@ class ForwardInfo:
         self.produced = {o: n for n in self.forward if not _is_constant(n) for o in n.outputs if o.name}
         self.backward = backward = [n for n in graph if id(n) not in self.is_forward]
         self.backward_reads: set[ir.Value] = {v for n in backward for v in n.inputs if v in self.produced}
-        captured = {v for n in backward if _has_subgraph(n) for inner in _subgraph_nodes(n)
+        captured = {v for n in backward if has_subgraph(n) for inner in subgraph_nodes(n)
                     for v in inner.inputs if v in self.produced}
         self.backward_reads |= captured
         self.pinned = self._pinned(graph) | captured  # backward subgraphs keep what they capture
@@ -149,17 +150,6 @@ def _is_constant(node: ir.Node) -> bool:
     return node.op_type == "Constant" and node.domain in ("", "ai.onnx")
 
 
-def _has_subgraph(node: ir.Node) -> bool:
-    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
-
-
-def _subgraph_nodes(node: ir.Node):
-    for a in node.attributes.values():
-        graphs = [a.value] if a.type == ir.AttributeType.GRAPH else list(a.value) if a.type == ir.AttributeType.GRAPHS else []
-        for g in graphs:
-            yield from ir.traversal.RecursiveGraphIterator(g)
-
-
 def _is_random(node: ir.Node) -> bool:
     if node.domain not in ("", "ai.onnx"):
         return node.op_type in RANDOM_OPS or "Dropout" in node.op_type
@@ -175,7 +165,7 @@ def _is_random(node: ir.Node) -> bool:
 
 
 def _cloneable(node: ir.Node) -> bool:
-    return not _is_random(node) and not _has_subgraph(node)
+    return not _is_random(node) and not has_subgraph(node)
 
 
 def masked_dropout(node: ir.Node):
@@ -256,8 +246,8 @@ def held_bytes(fw: ForwardInfo, need: set[ir.Value], kept: set[ir.Value]) -> int
                 make(v)
         steps.append(([], [v for v in n.inputs if v is not None and (v in need or v in kept)]))
     for n in fw.backward:  # values read inside backward subgraphs live to the end
-        if _has_subgraph(n):
-            steps.append(([], [v for inner in _subgraph_nodes(n) for v in inner.inputs if v in kept]))
+        if has_subgraph(n):
+            steps.append(([], [v for inner in subgraph_nodes(n) for v in inner.inputs if v in kept]))
     last = {v: i for i, (_, reads) in enumerate(steps) for v in reads}
     live = fw.nbytes(kept)
     peak = live

@@ -29,6 +29,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
+from ..modelio import default_opset
 from ..values import attr
 
 # torch's dynamo exporter writes a training-mode BatchNorm (aten's functional batch norm with
@@ -62,17 +63,10 @@ def restore_training_mode(model: ir.Model, ctx) -> None:
             node.outputs[i].dtype, node.outputs[i].shape = like.dtype, like.shape
 
 
-def _opset(model) -> int:
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx"):
-            return imp.version
-    return 1
-
-
 def buffers_of(model: onnx.ModelProto) -> list[str]:
     """Names of the running statistics of ``model``: ``input_mean`` and ``input_var`` of each
     training-mode BatchNormalization, where they are initializers or graph inputs."""
-    graph, opset = model.graph, _opset(model)
+    graph, opset = model.graph, default_opset(model, missing=1)
     sources = {t.name for t in graph.initializer} | {i.name for i in graph.input}
     found: list[str] = []
     for node in graph.node:
@@ -145,7 +139,7 @@ def inference_form(model: onnx.ModelProto) -> onnx.ModelProto:
     running output or a dropout mask keeps the training form: the model needs it."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    graph, opset = out.graph, _opset(out)
+    graph, opset = out.graph, default_opset(out, missing=1)
     read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     for i, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ..registry import TRIPS
+from ..traversal import reached_from, subgraph_nodes
 from ..values import attr
 from . import copy_type
 
@@ -21,24 +22,10 @@ LOOPS = ("Loop", "Scan")
 
 
 def store_loop_trips(model: ir.Model, ctx) -> None:
-    from ..autodiff import is_float, node_inputs
-
-    unique = ctx.unique
-    reached = set(ctx.wrt)
-    for node in model.graph:
-        if any(v in reached for v in node_inputs(node) if v is not None):
-            reached.update(o for o in node.outputs if is_float(o))
-            for inner in _with_nested(node):
-                if inner.op_type in LOOPS and inner.domain in ("", "ai.onnx") and TRIPS not in inner.meta:
-                    _store(inner, unique)
-
-
-def _with_nested(node: ir.Node):
-    nested = [n for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH
-              for n in ir.traversal.RecursiveGraphIterator(a.value)]
-    nested += [n for a in node.attributes.values() if a.type == ir.AttributeType.GRAPHS
-               for g in a.value for n in ir.traversal.RecursiveGraphIterator(g)]
-    return nested + [node]
+    for node in reached_from(list(model.graph), ctx.wrt).nodes:
+        for inner in [*subgraph_nodes(node), node]:
+            if inner.op_type in LOOPS and inner.domain in ("", "ai.onnx") and TRIPS not in inner.meta:
+                _store(inner, ctx.unique)
 
 
 def _store(node: ir.Node, unique) -> None:

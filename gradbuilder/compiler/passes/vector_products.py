@@ -13,7 +13,6 @@ Runs on the forward graph before differentiation, so the gradients follow the ne
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from ..values import attr, dims_of
@@ -78,18 +77,3 @@ def _by_rank(node: ir.Node, wt: ir.Value, k: ir.Value, w: ir.Value, unique) -> N
     node.attributes["then_branch"] = ir.AttrGraph("then_branch", then_g)
     node.attributes["else_branch"] = ir.AttrGraph("else_branch", else_g)
 
-
-def model_without_fused_vector_products(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The rewrite on a ModelProto that runs as it is, with its weights as graph inputs (a
-    session's evaluation graph): ranks come from onnx shape inference; the model is not
-    modified."""
-    from ..modelio import to_ir
-    from ..pipeline import Context
-
-    try:
-        typed = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - without the ranks, the rank test runs at run time
-        typed = model
-    ir_model = to_ir(typed)
-    vector_products_without_transpose(ir_model, Context.of(ir_model))
-    return ir.to_proto(ir_model)

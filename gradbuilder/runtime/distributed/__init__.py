@@ -9,7 +9,10 @@
   graphs;
 - ``pipeline_parallel``: a pipeline stage's forward and backward graphs on a 1F1B schedule.
 
-A TrainingSession sets itself up from here when it is one of several launched processes.
+``DataParallel`` and ``PipelineParallel`` are executors (``runtime.executor.Executor``) over
+the process's ``LocalExecutor``: ``executor.executor_for`` picks one when a session is one of
+several launched processes; they reach the session's model, graphs and state only through the
+shared ``executor.Parts`` record.
 """
 
 from .launch import Topology, init_process_group, launched, local_rank, one_device_per_process, topology

@@ -11,6 +11,8 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import DistributedError, InvalidArgumentError
+from ..executor import Executor, LocalExecutor
+from ..graphs import Kind
 from .collectives import BUCKET_BYTES, subgroups
 from .launch import Topology
 
@@ -56,16 +58,17 @@ def shapes_of(feeds: Mapping[str, object]) -> dict[str, tuple]:
     return out
 
 
-class DataParallel:
-    """Data parallel and ZeRO for a TrainingSession (``session``): each replica runs the
-    session's gradient graph on its shard of the batch; the gradients are averaged across
+class DataParallel(Executor):
+    """Data parallel and ZeRO, an executor (``executor.Executor``) over this process's
+    ``local`` one: each replica runs the gradient graph on its shard of the batch; the
+    gradients are averaged across
     the replicas (every micro-step, or once per accumulation with
     ``allreduce_post_accumulation``); the optimizer graph then updates every weight on every
     replica (plain data parallel: the weights stay bit-identical) or, with ZeRO, each replica
     only the weights it owns (their optimizer state lives there alone; stage 2 keeps only
     their gradients too), and the owners broadcast the updated weights."""
 
-    def __init__(self, session, topo: Topology, params, weights: list[str] | None = None):
+    def __init__(self, local: LocalExecutor, topo: Topology, params, weights: list[str] | None = None):
         """``weights``: the ones this process trains (a pipeline stage's; default all)."""
         if params.deepspeed_zero_stage == 3:
             raise InvalidArgumentError("TrainingParameters.deepspeed_zero_stage=3 (partitioned weights) is not "
@@ -77,7 +80,9 @@ class DataParallel:
         if params.use_mixed_precision:
             raise InvalidArgumentError("TrainingParameters.use_mixed_precision is not supported with distributed "
                                        "training yet: train in float32, or in one process")
-        self.s, self.topo = session, topo
+        self.local, self.topo = local, topo
+        self.parts = local.parts
+        facts, state = self.parts.facts, self.parts.state
         # the stage's replicas (they average gradients), the replica's stages (they sum the
         # gradients' norm), every rank (checkpoints)
         self.comm, self.norm_comm, self.world_comm = subgroups(topo)
@@ -86,8 +91,8 @@ class DataParallel:
         self.steps = params.gradient_accumulation_steps
         # ZeRO 2 keeps only the gradients a replica owns: they are reduced every micro-step
         self.post = params.allreduce_post_accumulation and self.zero < 2
-        weights = self.weights = list(session.weights if weights is None else weights)
-        sizes = {w: session._graphs.weight_specs[w].nbytes for w in weights}
+        weights = self.weights = list(facts.weights if weights is None else weights)
+        sizes = {w: facts.specs[w].nbytes for w in weights}
         self.owner = ({w: self.comm.ranks[k] for w, k in partition(sizes, self.comm.size).items()} if self.zero
                       else {w: None for w in weights})
         self.owned = [w for w in weights if self.owner[w] in (None, topo.rank)]
@@ -97,32 +102,31 @@ class DataParallel:
         self.partial = bool(self.zero) or topo.stages > 1
         if self.zero:
             self.norm_comm = self.comm
-        self._check_same(session, params)
+        self._check_same(params)
         from ...interface import grad_accum, state_of
 
-        held = set(weights)
-        for w in session.weights:  # other pipeline stages' weights and states live there alone
+        held, builder = set(weights), self.parts.builder
+        for w in facts.weights:  # other pipeline stages' weights and states live there alone
             if w not in held:
-                self.elsewhere.update([w] + [state_of(w, s) for s in session._builder.state_names_of(w)])
+                self.elsewhere.update([w] + [state_of(w, s) for s in builder.state_names_of(w)])
         for w in weights:  # the optimizer state of the weights other replicas own (ZeRO), and
             if w not in self.owned:  # their accumulated gradients where those are reduced to the owner
-                self.elsewhere.update(state_of(w, s) for s in session._builder.state_names_of(w))
-                if not self.post and grad_accum(w) in session._state:
+                self.elsewhere.update(state_of(w, s) for s in builder.state_names_of(w))
+                if not self.post and grad_accum(w) in state:
                     self.elsewhere.add(grad_accum(w))
-        for name in self.elsewhere:
-            del session._state.values[name]
-        self.comm.broadcast(self.comm.ranks[0], [self._view(n) for n in weights + session.buffers],
+        state.drop(self.elsewhere)
+        self.comm.broadcast(self.comm.ranks[0], [self._view(n) for n in weights + facts.buffers],
                             "broadcasting the initial weights from rank 0")
         if self.partial:
-            session._graphs.owned = self.owned
+            self.parts.graphs.partition(self.owned)
 
     def _view(self, name: str):
         from ..dlpack import to_torch
 
-        return to_torch(self.s._state[name])
+        return to_torch(self.parts.state[name])
 
-    def _check_same(self, session, params) -> None:
-        mine = (session._fingerprint, self.zero, self.steps, self.post, params.pipeline_parallel_size)
+    def _check_same(self, params) -> None:
+        mine = (self.parts.facts.identity.model, self.zero, self.steps, self.post, params.pipeline_parallel_size)
         seen = self.comm.agree(mine, "checking that every rank trains the same model")
         differ = [r for r, theirs in zip(self.comm.ranks, seen) if theirs != seen[0]]
         if differ:
@@ -137,22 +141,22 @@ class DataParallel:
         of the accumulation."""
         from ...interface import grad_accum, updated
 
-        s = self.s
-        graph = s._graphs["gradients"]
-        state = s._state.take(s.buffers)
-        given = {**state, **s._state.take(s.weights)}
+        facts, s = self.parts.facts, self.parts.state
+        state = s.take(facts.buffers)
+        given = {**state, **s.take(facts.weights)}
         error = None
         try:
-            graph.check_feeds(feeds, given, s._check_labels if s._labels else None)
+            self.local.check_feeds(Kind.GRADIENTS, feeds, given)
         except InvalidArgumentError as exc:
             error = str(exc)
         agree_on_inputs(self.comm, error, shapes_of(feeds) if isinstance(feeds, Mapping) else None, "replicas")
-        if s.buffers:  # running statistics follow rank 0's, as DistributedDataParallel's broadcast_buffers
-            self.comm.broadcast(self.comm.ranks[0], [self._view(b) for b in s.buffers], "broadcasting the running statistics")
+        if facts.buffers:  # running statistics follow rank 0's, as DistributedDataParallel's broadcast_buffers
+            self.comm.broadcast(self.comm.ranks[0], [self._view(b) for b in facts.buffers],
+                                "broadcasting the running statistics")
         into = {updated(grad_accum(w)): v for w, v in self._buckets()[1].items()}
-        results = s._run("gradients", feeds, state, s._state.take(s.weights), into=into)
-        s._state.commit({updated(b): results[updated(b)] for b in s.buffers})
-        grads = {w: results[updated(grad_accum(w))] for w in s.weights}
+        results = self.local.run_graph(Kind.GRADIENTS, feeds, state, s.take(facts.weights), into=into)
+        s.commit({updated(b): results[updated(b)] for b in facts.buffers})
+        grads = {w: results[updated(grad_accum(w))] for w in facts.weights}
         if self.steps == 1 or not self.post:
             grads = self.reduce(grads)
         return results, grads
@@ -166,7 +170,7 @@ class DataParallel:
 
             from ..dlpack import to_ort, to_torch
 
-            specs = self.s._graphs.weight_specs
+            specs = self.parts.facts.specs
             groups: list[tuple] = []
             for w in self.weights:
                 key = (self.owner[w] if self.zero else None, specs[w].dtype)
@@ -175,7 +179,7 @@ class DataParallel:
                 groups[-1] = (key, groups[-1][1] + [w], groups[-1][2] + specs[w].nbytes)
             buckets, views = [], {}
             for (owner, dtype), names, _ in groups:
-                like = to_torch(self.s._state.ortvalue(np.zeros(0, dtype)))
+                like = to_torch(self.parts.state.ortvalue(np.zeros(0, dtype)))
                 flat = torch.empty(sum(specs[w].size for w in names), dtype=like.dtype, device=like.device)
                 offset = 0
                 for w in names:
@@ -225,24 +229,24 @@ class DataParallel:
         from ...interface import ALL_FINITE, GRADIENT, GRADIENT_SQUARES, LEARNING_RATE, STEP
         from ..dlpack import to_torch
 
-        s = self.s
+        s, local = self.parts.state, self.local
         per_run = {LEARNING_RATE: rate}
         if self.partial:
             squares = sum(float(to_torch(grads[w]).double().square().sum()) for w in self.owned)
             squares = self.norm_comm.sum(squares, "summing the gradients' squared norm")
             if not np.isfinite(squares):
-                s._check_finite({ALL_FINITE: s._state.ortvalue(np.array(False))})
+                local.check_finite({ALL_FINITE: s.ortvalue(np.array(False))})
                 return
-            if s._builder.max_grad_norm is not None:
-                per_run[GRADIENT_SQUARES] = s._state.ortvalue(np.array(squares, np.float32))
+            if self.parts.builder.max_grad_norm is not None:
+                per_run[GRADIENT_SQUARES] = s.ortvalue(np.array(squares, np.float32))
         if self.owned:
-            state = {n: v for n, v in s._state.values.items() if n in s._graphs["optimizer"].inputs}
+            state = {n: v for n, v in s.values.items() if n in self.parts.graphs[Kind.OPTIMIZER].inputs}
             per_run.update({w + GRADIENT: grads[w] for w in self.owned})
-            results = s._run("optimizer", {}, state, per_run)
-            s._check_finite(results)
-            s._state.commit(results)
+            results = local.run_graph(Kind.OPTIMIZER, {}, state, per_run)
+            local.check_finite(results)
+            s.commit(results)
         else:  # a replica that owns no weight only counts the step
-            s._state.values[STEP] = s._state.ortvalue(np.array(s.step + 1, np.int64))
+            s.set({STEP: np.array(local.step + 1, np.int64)}, owned=True)
         if self.zero:
             for owner in self.comm.ranks:
                 self.comm.broadcast(owner, [self._view(w) for w in self.weights if self.owner[w] == owner],
@@ -263,46 +267,74 @@ class DataParallel:
                 raise
         return call
 
-    @_announced
-    def run(self, feeds, rate) -> dict:
+    def run(self, feeds, rate, outputs=(), run_options=None) -> dict:
         """``TrainingSession.run``: one micro-step; the update on the last of an accumulation."""
+        results = self._step(feeds, rate)
+        missing = [n for n in outputs if n not in results]
+        if missing:
+            raise InvalidArgumentError(f"output_names: a pipeline-parallel step returns the loss "
+                                       f"'{self.parts.facts.loss}' only, not {missing}")
+        return results
+
+    @_announced
+    def _step(self, feeds, rate) -> dict:
         from ...interface import ACCUMULATION_STEP, grad_accum
         from ..dlpack import to_torch
 
-        s = self.s
+        s = self.parts.state
         results, grads = self.gradients(feeds)
         if self.steps == 1:
             self.update(grads, rate)
             return results
-        buffers = {w: s._state[grad_accum(w)] for w in self.weights if grad_accum(w) in s._state}
+        buffers = {w: s[grad_accum(w)] for w in self.weights if grad_accum(w) in s}
         self.add(buffers, grads)
-        done = int(s._state[ACCUMULATION_STEP].numpy()) + 1
+        done = int(s[ACCUMULATION_STEP].numpy()) + 1
         if done < self.steps:
-            s._state.values[ACCUMULATION_STEP] = s._state.ortvalue(np.array(done, np.int64))
+            s.set({ACCUMULATION_STEP: np.array(done, np.int64)}, owned=True)
             return results
         summed = self.reduce(dict(buffers)) if self.post else {w: buffers[w] for w in self.owned}
         self.update(summed, rate)
         for buffer in buffers.values():  # zeroed in place, on their device
             to_torch(buffer).zero_()
-        s._state.values[ACCUMULATION_STEP] = s._state.ortvalue(np.array(0, np.int64))
+        s.set({ACCUMULATION_STEP: np.array(0, np.int64)}, owned=True)
         return results
 
     @_announced
     def train_step(self, feeds, reset: bool) -> dict:
         """``TrainingSession.train_step``: the gradients replace or add to the session's buffers."""
-        s = self.s
+        s = self.parts.state
         results, grads = self.gradients(feeds)
         if reset:
-            s._state.grads = {}
-        self.add(s._state.grads, grads)
+            s.grads = {}
+        self.add(s.grads, grads)
         return results
 
     @_announced
     def optimizer_step(self, rate) -> None:
-        grads = self.s._state.grads
+        grads = self.parts.state.grads
         self.update(self.reduce(dict(grads)) if self.post else grads, rate)
 
+    def eval(self, feeds) -> dict:
+        return self.local.eval(feeds)
+
+    def place(self, providers, provider_options=None) -> None:
+        self.local.place(providers, provider_options)
+
     # ------------------------------------------------------------------ state
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.topo.replica, self.topo.replicas
+
+    def partition_info(self) -> dict:
+        return {w: {"owner": r} for w, r in self.owner.items()} if self.zero else {}
+
+    def owned_grads(self, grads: dict) -> dict:
+        return {w: v for w, v in grads.items() if w in self.owned}
+
+    def checkpoint_tensors(self, tensors: dict, what: str) -> dict | None:
+        """One checkpoint, written by the first rank from copies (gathered averages in place)."""
+        return self.gathered({n: np.array(v.numpy(), copy=True) for n, v in tensors.items()}, what)
+
     def gathered(self, tensors: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray] | None:
         """Every rank's ``tensors`` joined on rank 0 (None on the others): the state of the
         weights other ranks own or train, for one ordinary checkpoint."""

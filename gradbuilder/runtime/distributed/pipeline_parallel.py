@@ -21,11 +21,13 @@ import zlib
 from typing import Mapping
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ...compiler import cuts as _cuts
 from ...dtypes import FLOAT_TENSOR_TYPES
 from ...errors import InvalidArgumentError
+from ..executor import LocalExecutor
 from .data_parallel import DataParallel, agree_on_inputs, shapes_of
 from .launch import Topology
 
@@ -33,7 +35,11 @@ _HEADER = 9  # a sent tensor's header: its rank and up to 8 sizes
 
 
 class PipelineParallel(DataParallel):
-    def __init__(self, session, topo: Topology, params, model_with_weights):
+    """One stage of a pipeline, an executor (``executor.Executor``) over this process's
+    ``local`` one: ``run`` is the pipeline's step; the step-wise API, ``eval_step`` and exports
+    are refused (each stage holds its own weights)."""
+
+    def __init__(self, local: LocalExecutor, topo: Topology, params):
         if params.deepspeed_zero_stage:
             raise InvalidArgumentError("TrainingParameters: deepspeed_zero_stage with pipeline_parallel_size > 1 is "
                                        "not supported; each stage already holds only its own optimizer state")
@@ -41,35 +47,34 @@ class PipelineParallel(DataParallel):
             raise InvalidArgumentError("TrainingParameters: with pipeline_parallel_size > 1, accumulate with "
                                        "num_pipeline_micro_batches (the step's micro-batches), not "
                                        "gradient_accumulation_steps")
-        if session.buffers:
+        facts = local.parts.facts
+        if facts.buffers:
             raise InvalidArgumentError(f"pipeline-parallel training of a model with running statistics "
-                                       f"{session.buffers[:3]} is not supported; train it data parallel")
+                                       f"{facts.buffers[:3]} is not supported; train it data parallel")
+        model_with_weights = _with_weights(facts)
         cuts = (params.pipeline_cut_info_string and _cuts.parse_cuts(params.pipeline_cut_info_string)) or \
-            _cuts.balanced_cuts(model_with_weights, topo.stages, session.loss_name, session.weights)
+            _cuts.balanced_cuts(model_with_weights, topo.stages, facts.loss, facts.weights)
         if len(cuts) != topo.stages - 1:
             raise InvalidArgumentError(f"TrainingParameters.pipeline_cut_info_string has {len(cuts)} cuts; "
                                        f"pipeline_parallel_size={topo.stages} needs {topo.stages - 1}")
-        self.stage = _cuts.cut_model(model_with_weights, cuts, session.loss_name, session.weights)[topo.stage]
+        self.stage = _cuts.cut_model(model_with_weights, cuts, facts.loss, facts.weights)[topo.stage]
+        del model_with_weights
         self.micro = params.num_pipeline_micro_batches
-        super().__init__(session, topo, params, self.stage.weights)
+        super().__init__(local, topo, params, self.stage.weights)
         self.split = self.stage.split()
         self.first, self.last = topo.stage == 0, topo.stage == topo.stages - 1
         self.prev = topo.rank - topo.replicas
         self.next = topo.rank + topo.replicas
-        graphs = session._graphs
-        from ..runner import compile_graph
-
-        self.forward = compile_graph(self.split.forward.SerializeToString(), graphs.sess_options, graphs.providers,
-                                     graphs.provider_options, graphs.device)
-        self.backward = compile_graph(self.split.backward.SerializeToString(), graphs.sess_options, graphs.providers,
-                                      graphs.provider_options, graphs.device)
+        graphs = self.parts.graphs
+        self.forward = graphs.compile(self.split.forward.SerializeToString())
+        self.backward = graphs.compile(self.split.backward.SerializeToString())
         received = {i.name: i.type.tensor_type.elem_type for i in self.stage.model.graph.input}
         self.receive_types = {n: received[n] for n in self.stage.receives}
         self.seeds = {out: seed for seed, out in self.split.seeds.items()}  # sent value -> its seed input
         sent = {o.name: o.type.tensor_type.elem_type for o in self.stage.model.graph.output}
         self.float_sends = [n for n in self.stage.sends if not self.last and sent[n] in FLOAT_TENSOR_TYPES]
         self.float_receives = [n for n in self.stage.receives if self.receive_types[n] in FLOAT_TENSOR_TYPES]
-        self.model_inputs = [i.name for i in session._model.graph.input if i.name not in set(session.weights)]
+        self.model_inputs = [i.name for i in facts.model.graph.input if i.name not in set(facts.weights)]
 
     # ------------------------------------------------------------------ one step
     def gradients(self, feeds: Mapping[str, object]) -> tuple[dict, dict]:
@@ -94,7 +99,7 @@ class PipelineParallel(DataParallel):
         for work in pending[::2]:  # (send, its tensor kept alive) pairs
             self.comm._call("sending along the pipeline", work.wait)
         loss = self._loss(losses)
-        return {self.s.loss_name: loss}, self.reduce(grads)
+        return {self.parts.facts.loss: loss}, self.reduce(grads)
 
     def _micro_batches(self, feeds) -> list[dict[str, np.ndarray]]:
         """The feeds split into equal micro-batches, checked here and against the other stages
@@ -127,11 +132,11 @@ class PipelineParallel(DataParallel):
 
         from ..dlpack import to_ort, to_torch
 
-        s = self.s
-        env = {n: s._state.ortvalue(feeds[n]) for n in self.stage.inputs if n in self.split.forward_inputs}
+        s = self.parts.state
+        env = {n: s.ortvalue(feeds[n]) for n in self.stage.inputs if n in self.split.forward_inputs}
         for name in self.stage.receives:
             env[name] = to_ort(self._recv(name, self.receive_types[name]))
-        env.update({w: s._state[w] for w in self.stage.weights})
+        env.update({w: s[w] for w in self.stage.weights})
         results = self.forward.run({n: env[n] for n in self.split.forward_inputs})
         env.update(results)
         for name in self.stage.sends:
@@ -201,7 +206,7 @@ class PipelineParallel(DataParallel):
         last = self.norm_comm.ranks[-1]
         self.norm_comm._call("passing the loss along the pipeline", self.comm.dist.broadcast, value, src=last,
                              group=self.norm_comm.group)
-        return self.s._state.ortvalue(np.array(value[0], np.float32))
+        return self.parts.state.ortvalue(np.array(value[0], np.float32))
 
     # ------------------------------------------------------------------ the session's calls
     def train_step(self, feeds, reset: bool) -> dict:
@@ -210,4 +215,24 @@ class PipelineParallel(DataParallel):
 
     def optimizer_step(self, rate) -> None:
         raise InvalidArgumentError("optimizer_step with pipeline_parallel_size > 1: the pipeline's step is run()")
+
+    def check(self, call: str) -> None:
+        if call == "eval_step":
+            raise InvalidArgumentError("eval_step with pipeline_parallel_size > 1 is not supported: save a checkpoint "
+                                       "and evaluate it in one process")
+        if call == "export_model_for_inferencing":
+            raise InvalidArgumentError("export_model_for_inferencing with pipeline_parallel_size > 1: each stage holds "
+                                       "its own weights; save a checkpoint and export it from one process")
+
+
+def _with_weights(facts) -> onnx.ModelProto:
+    """The session's model with its weights as initializers the cuts place (dtype and shape
+    only: their values stay in the state)."""
+    whole = onnx.ModelProto()
+    whole.CopyFrom(facts.model)
+    specs = facts.specs
+    whole.graph.initializer.extend(onnx.TensorProto(name=w, dims=specs[w].shape,
+                                                    data_type=onnx.helper.np_dtype_to_tensor_dtype(specs[w].dtype))
+                                   for w in facts.weights)
+    return whole
 

@@ -74,6 +74,11 @@ def initial_states(name: str, options: dict, weight, half=None):
         yield s, np.full(weight.shape, fill, dtype=state_dtype_of(s, weight.dtype, half))
 
 
+def jsonable(options: dict) -> dict:
+    """Resolved options as JSON data (tuples such as betas as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
+
+
 def resolve(name: str, options: dict | None) -> dict:
     """``options`` over the optimizer's defaults; unknown names are an error."""
     if name not in OPTIMIZERS:

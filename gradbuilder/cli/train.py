@@ -1,0 +1,311 @@
+"""``gradbuilder train``: train a model on arrays from an .npz file with onnxruntime, in one
+process or data parallel in several (torch's launcher starts them), stopped cleanly by SIGINT or
+SIGTERM between steps, resumed from a checkpoint.
+
+Everything the command line decides is checked before a graph is built or a step runs
+(``train_checks``); the arrays are read there too."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import warnings
+
+from ..errors import CheckpointError, InvalidArgumentError
+from .common import (
+    WEIGHTS_HELP,
+    check_distinct,
+    check_input_file,
+    check_output_file,
+    check_weights,
+    common_options,
+    integer,
+    one_line,
+    optimizer_help,
+    output_and_target,
+    positive_float,
+    progress,
+)
+from .train_checks import check_model_names, check_train_options, evaluate, load_arrays
+
+log = logging.getLogger("gradbuilder.cli")
+
+# what a checkpoint decides when training resumes from it
+_RESUMED = ("lr", "scheduler", "warmup_steps", "step_size", "gamma", "seed")
+
+_PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+              "auto": None}
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model on arrays from an .npz file with onnxruntime")
+    p.add_argument("model", help="path of the forward ONNX model")
+    p.add_argument("--data", required=True, help=".npz file with one array per model input (same length on axis 0)")
+    p.add_argument("--loss-name", help="the model's loss output (default: its first output); with --loss, the name of the "
+                                       "appended one (default loss)")
+    p.add_argument("--loss", help="append a loss instead: crossentropy, nll, mse, l1, bcewithlogits")
+    p.add_argument("--loss-output", help="with --loss: the output it reads (default: the first output)")
+    p.add_argument("--target", help="with --loss: name of its target input (default target)")
+    p.add_argument("--optimizer", default="adamw", help=optimizer_help())
+    p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3)")
+    p.add_argument("--steps", type=integer(1), default=300,
+                   help="batches to train on in all, counting the checkpoint's with --resume (default 300)")
+    p.add_argument("--batch-size", type=integer(1), default=32, help="rows per step (default 32)")
+    p.add_argument("--seed", type=integer(0), help="shuffling seed (default 0)")
+    p.add_argument("--weights", nargs="+", metavar="N", help=WEIGHTS_HELP)
+    p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
+    p.add_argument("--max-grad-norm", type=positive_float, help="clip gradients to this global L2 norm")
+    p.add_argument("--accumulation-steps", type=integer(1), default=1, help="micro-batches per update (default 1)")
+    p.add_argument("--scheduler", choices=["linear", "cosine", "constant_with_warmup", "step"],
+                   help="learning-rate schedule")
+    p.add_argument("--warmup-steps", type=integer(0), help="scheduler warm-up updates (default 0)")
+    p.add_argument("--step-size", type=integer(1), help="step scheduler: updates per decay (default 100)")
+    p.add_argument("--gamma", type=positive_float, help="step scheduler: decay factor (default 0.1)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when usable, else CPU (default)")
+    p.add_argument("--nproc-per-node", type=integer(1), default=1,
+                   help="train data parallel in N processes on this machine, started by torch's launcher (torchrun); "
+                        "each takes 1/N of every batch (default 1)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
+                   help="with --nproc-per-node: ZeRO stage (1: optimizer state partitioned, 2: and gradients)")
+    p.add_argument("--resume", help="checkpoint to continue from: its weights, optimizer state, learning rate, "
+                                    "schedule and data order (--lr, --scheduler and its options, --seed are ignored)")
+    p.add_argument("--checkpoint", help="write a checkpoint here at the end, or when SIGINT (Ctrl-C) or SIGTERM "
+                                        "stops training")
+    p.add_argument("-o", "--output", help="write the trained model for inference here")
+    p.add_argument("--keep", nargs="+", metavar="N", help="outputs of the inference model (default: all but the loss)")
+    p.add_argument("--accuracy", metavar="OUTPUT:TARGET", type=output_and_target,
+                   help="report classification accuracy of OUTPUT (scores) against the data's TARGET array")
+    p.add_argument("--eval-data", help=".npz for --accuracy (default: the training data)")
+    common_options(p, progress=True)
+    p.set_defaults(fn=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    # Everything the command line decides is checked before a graph is built or a step runs.
+    data, evaluation = _check_files(args)
+    from ..runtime.distributed import launched
+
+    group = launched()
+    world = group[1] if group is not None else args.nproc_per_node
+    if args.batch_size % world:
+        raise InvalidArgumentError(f"--batch-size {args.batch_size} must be divisible by the {world} processes "
+                                   "(each takes an equal share of every batch)")
+    if args.zero_stage and world == 1:
+        raise InvalidArgumentError("--zero-stage needs --nproc-per-node N > 1 (it partitions state across processes)")
+    if world > 1 and group is None:
+        return _launch(args)
+    main_rank = group is None or group[0] == 0  # the one that reports and writes files
+    if not main_rank:
+        logging.getLogger("gradbuilder").setLevel(logging.WARNING)
+
+    from ..compiler import modelio
+    from ..runtime.loop import BATCHES_SEEN, fit
+    from ..runtime.session import TrainingSession
+
+    model, large = modelio.load_detached(args.model)  # large tensors apart: a model over 2 GB trains too
+    model, loss_name = _with_loss(args, model)
+    keep = check_model_names(args, model, loss_name, data, evaluation)
+    session = TrainingSession(modelio.DetachedModel(model, large), _parameters(args, model, loss_name),
+                              providers=_PROVIDERS[args.device])
+    del large
+    done = _start(args, session)
+
+    losses: list[float] = []
+    with _Stop() as stop:
+        log.info("training %s on %s: %d weights (%s values), %s, lr %g, batch %d", args.model,
+                 session.get_providers()[0], len(session.weights), f"{session.get_parameters_size():,}",
+                 args.optimizer, session.get_learning_rate(), args.batch_size)
+        if done >= args.steps:
+            log.info("nothing to train: the checkpoint has seen %d batches and --steps is %d", done, args.steps)
+        else:
+            losses = fit(session, data, args.steps - done, args.batch_size,
+                         seed=args.seed if args.seed is not None else 0,
+                         progress=progress(args) if main_rank else False, stop=stop)
+        if stop.signum is not None:  # handlers stay in place while the checkpoint is written
+            return _stopped(args, session, stop.signum, int(session.properties.get(BATCHES_SEEN, done)))
+    if args.checkpoint:  # every rank takes part; the first writes it
+        session.save_checkpoint(args.checkpoint)
+    if not main_rank:
+        return 0
+    return _finish(args, session, losses, done, world, keep, evaluation)
+
+
+def _check_files(args) -> tuple[dict, dict]:
+    """The options checked against each other, the files named checked, the arrays read:
+    (training data, evaluation data)."""
+    check_train_options(args)
+    check_input_file("model", args.model)
+    if args.resume:
+        check_input_file("--resume", args.resume)
+    check_output_file("--checkpoint", args.checkpoint)
+    check_output_file("-o", args.output)
+    check_distinct(**{"--checkpoint": args.checkpoint, "-o": args.output})
+    data = load_arrays("--data", args.data, args.batch_size)
+    evaluation = load_arrays("--eval-data", args.eval_data, args.batch_size) if args.eval_data else data
+    return data, evaluation
+
+
+def _with_loss(args, model):
+    """(the model, with the loss ``--loss`` asks for appended, and the name of its loss); the
+    weights named on the command line are checked against it."""
+    from ..compiler.builder import float_values
+
+    loss_name = args.loss_name
+    if args.loss:
+        from ..training.loss import append_loss
+
+        output = args.loss_output or model.graph.output[0].name
+        loss_name = loss_name or "loss"
+        model = append_loss(model, args.loss, output, target_name=args.target or "target", loss_name=loss_name)
+    loss_name = loss_name or model.graph.output[0].name
+    check_weights(args, float_values(model))
+    return model, loss_name
+
+
+def _parameters(args, model, loss_name: str):
+    """The TrainingParameters the options ask for."""
+    from .. import TrainingParameters
+    from ..compiler.builder import default_weights
+
+    params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=args.optimizer,
+                                enable_grad_norm_clip=args.max_grad_norm is not None,
+                                gradient_accumulation_steps=args.accumulation_steps,
+                                deepspeed_zero_stage=args.zero_stage)
+    if args.weights:
+        params.weights_to_train = args.weights
+    if args.frozen:
+        params.weights_not_to_train = args.frozen
+    if args.max_grad_norm is not None:
+        weights = args.weights or [w for w in default_weights(model) if w not in (args.frozen or [])]
+        params.optimizer_attributes_map = {w: {"max_norm_clip": args.max_grad_norm} for w in weights}
+    return params
+
+
+def _start(args, session) -> int:
+    """Resume from ``--resume`` or set the learning rate and schedule: the batches already seen."""
+    from ..runtime.loop import BATCHES_SEEN
+
+    if not args.resume:
+        session.set_learning_rate(args.lr if args.lr is not None else 1e-3)
+        if args.scheduler:
+            session.register_scheduler(args.scheduler, **_scheduler_args(args))
+        return 0
+    try:
+        session.load_checkpoint(args.resume)
+    except CheckpointError as exc:  # a file named on the command line that does not fit
+        raise InvalidArgumentError(f"--resume {args.resume}: {one_line(exc)}") from None
+    done = int(session.properties.get(BATCHES_SEEN, session.step * args.accumulation_steps))
+    log.info("resumed from %s at step %d (%d batches), learning rate %g", args.resume, session.step, done,
+             session.get_learning_rate())
+    ignored = [f"--{k.replace('_', '-')}" for k in _RESUMED if getattr(args, k) is not None]
+    if ignored:
+        warnings.warn(f"{' '.join(ignored)} are ignored with --resume: the checkpoint's learning rate, schedule "
+                      "and data order continue", UserWarning, stacklevel=1)
+    return done
+
+
+def _scheduler_args(args) -> dict:
+    """The schedule's options; it steps once per update (``--accumulation-steps`` batches)."""
+    if args.scheduler == "step":
+        return {"step_size": args.step_size or 100, "gamma": args.gamma if args.gamma is not None else 0.1}
+    kwargs = {"warmup_steps": args.warmup_steps or 0}
+    if args.scheduler in ("linear", "cosine"):
+        kwargs["total_steps"] = max(1, args.steps // args.accumulation_steps)
+    return kwargs
+
+
+def _finish(args, session, losses: list[float], done: int, world: int, keep: list[str], evaluation) -> int:
+    """What the main rank reports and writes after training: the losses, the accuracy, the
+    inference model."""
+    from ..runtime.loop import accuracy
+
+    if losses:
+        shard = " (rank 0's share of each batch)" if world > 1 else ""
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {done + len(losses)} steps{shard}")
+    score = None
+    if args.accuracy:  # before the model is written: a failure here leaves no file behind
+        scores_name, target = args.accuracy
+        scores = evaluate(session, scores_name, evaluation, args.batch_size)
+        score = accuracy(scores, evaluation[target][: len(scores)])
+    if args.checkpoint:
+        print(f"wrote checkpoint {args.checkpoint}")
+    if args.output:
+        try:
+            session.export_model_for_inferencing(args.output, keep)
+        except BaseException:
+            if args.checkpoint:  # the trained state is kept: resuming from it loses nothing
+                log.warning("the checkpoint %s was written; -o %s was not", args.checkpoint, args.output)
+            raise
+        print(f"wrote {args.output} (outputs {', '.join(keep)})")
+    if score is not None:
+        print(f"accuracy ({args.accuracy[0]} vs {args.accuracy[1]}): {score:.1%}")
+    return 0
+
+
+# ------------------------------------------------------------------ stopping and launching
+
+
+class _Stop:
+    """SIGINT and SIGTERM while training, remembered and acted on between steps: a step in
+    progress (an onnxruntime run, the state it updates) always finishes."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Stop":
+        if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+            self._previous = {s: signal.signal(s, self._received) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _received(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+
+def _stopped(args, session, signum: int, seen: int) -> int:
+    """Training stopped by ``signum`` after ``seen`` batches: save the checkpoint if asked."""
+    name = signal.Signals(signum).name
+    if args.checkpoint:
+        session.save_checkpoint(args.checkpoint)
+        print(f"gradbuilder: {name} after {seen} of {args.steps} batches: saved the training state to "
+              f"{args.checkpoint}; to continue, run the same command with --resume {args.checkpoint}", file=sys.stderr)
+    else:
+        print(f"gradbuilder: {name} after {seen} of {args.steps} batches: nothing was saved (with --checkpoint PATH "
+              "the state is saved there when training is stopped)", file=sys.stderr)
+    return 128 + signum
+
+
+def _launch(args) -> int:
+    """This command again in ``--nproc-per-node`` processes, started by torch's launcher."""
+    try:
+        from torch.distributed import run
+    except ImportError:
+        raise InvalidArgumentError("--nproc-per-node needs torch.distributed: pip install 'gradbuilder[distributed]'") \
+            from None
+    rest, skip = [], False
+    for arg in args.argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            rest.append(arg)
+    log.info("starting %d processes with torch.distributed.run", args.nproc_per_node)
+    try:
+        run.main(["--nproc-per-node", str(args.nproc_per_node), "--standalone", "-m", "gradbuilder.cli", *rest])
+    except Exception as exc:  # noqa: BLE001 - torch's ChildFailedError names the failed rank
+        print(f"gradbuilder: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,168 @@
+"""What a session knows about its model, derived once: :func:`read_model` reads the model and
+finds its weights, running statistics and frozen parameters; :class:`ModelFacts` is the record
+the session, its graph cache, its executors and its exports share (the model with its state as
+inputs, the names of each kind of value, the weights' dtypes and shapes, the outputs and inputs
+a step has, the class-index inputs of its losses, and the identity a checkpoint must match)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from .. import compat
+from ..compiler import modelio
+from ..compiler.passes.running_stats import buffers_of
+from ..dtypes import FLOAT_TENSOR_TYPES
+from ..errors import InvalidArgumentError
+from ..training.graph import weights_of
+from .state import Identity
+
+_CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The session's model and what it holds, derived once (:meth:`derive`).
+
+    ``model``: the session's own copy; its weights and running statistics are graph inputs
+    (their values live in the state only), its frozen parameters initializers. ``weights``
+    (trained), ``buffers`` (running statistics: updated by training, not trained), ``frozen``
+    (float initializers not trained), ``loss``, ``outputs`` (a step's: the model's, the loss
+    first), ``inputs`` (the ones the caller feeds), ``specs`` (weight -> a zero-strided array of
+    its dtype and shape: no memory), ``labels`` (class-index input -> (class count or None,
+    ignore_index or None, the node that reads it)) and ``identity`` (what a checkpoint must
+    match)."""
+
+    model: onnx.ModelProto
+    weights: list[str]
+    buffers: list[str]
+    frozen: list[str]
+    loss: str
+    outputs: list[str]
+    inputs: list[str]
+    specs: Mapping[str, np.ndarray]
+    labels: Mapping[str, tuple[int | None, int | None, str]]
+    identity: Identity
+
+    @classmethod
+    def derive(cls, model: onnx.ModelProto, builder, buffers: list[str], frozen: list[str],
+               values: Mapping[str, np.ndarray]) -> tuple["ModelFacts", dict[str, np.ndarray]]:
+        """The facts of ``model`` (:func:`read_model`'s) trained by ``builder``, checked (the
+        loss is a value of the model, every weight has a value), and the initial state: the
+        optimizer's and ``values``."""
+        weights, loss = list(builder.weights), builder.loss
+        _check_loss(model, loss)
+        labels = _class_indices(model)
+        missing = [w for w in weights if w not in values]
+        if missing:
+            raise InvalidArgumentError(f"the weights {missing} are graph inputs without an initializer; give them "
+                                       "initial values as initializers")
+        initial = {**builder.initial_state(values), **values}
+        fed = {t.name for t in model.graph.initializer} | set(weights) | set(buffers)
+        facts = cls(model=model, weights=weights, buffers=buffers, frozen=frozen, loss=loss,
+                    outputs=output_names(model, loss), inputs=[i.name for i in model.graph.input if i.name not in fed],
+                    specs={w: np.broadcast_to(np.zeros((), values[w].dtype), values[w].shape) for w in weights},
+                    labels=labels, identity=Identity.of(weights, initial, builder.optimizer))
+        return facts, initial
+
+    @property
+    def state(self) -> list[str]:
+        """The values that are graph inputs fed from the state: weights, then running statistics."""
+        return self.weights + self.buffers
+
+    def frozen_initializers(self) -> dict[str, onnx.TensorProto]:
+        """{name: its initializer} of the frozen parameters (the graphs hold their values)."""
+        return {t.name: t for t in self.model.graph.initializer if t.name in self.frozen}
+
+
+def read_model(path_or_bytes, params, base_dir=None):
+    """The session's own copy of the model, read once (external data from ``base_dir``), its
+    large tensors apart: (model, weights, buffers, frozen, values). The weights' and running
+    statistics' values (read straight from their files where they are external data) leave
+    the model, which keeps them as graph inputs of their types; frozen parameters stay its
+    initializers."""
+    from ..compiler.tied_exports import warn_merged_parameters
+    from ..compiler.torch_exports import warn_inference_export
+
+    model, large = modelio.load_detached(path_or_bytes, base_dir)
+    compat.check_for_runtime(model, strict=True)  # the graphs must load in onnxruntime
+    warn_inference_export(model)
+    warn_merged_parameters(model)
+    weights = weights_of(model, params)
+    modelio.lift_constants(model, weights)  # weights held in Constant nodes (paddle2onnx, spox)
+    buffers = buffers_of(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    no_value = [b for b in buffers if b not in inits]
+    if no_value:
+        raise InvalidArgumentError(f"the running statistics {no_value} are graph inputs without an initializer; "
+                                   "give them initial values as initializers")
+    values = {w: large.pop(w) if w in large else numpy_helper.to_array(inits[w])
+              for w in weights + buffers if w in inits}
+    if large:  # frozen parameters: constants of the session's graphs
+        model = modelio.DetachedModel(model, large).to_proto()
+    del large
+    frozen = [t.name for t in model.graph.initializer if t.name not in values and t.data_type in FLOAT_TENSOR_TYPES]
+    modelio.weights_as_inputs(model, weights + buffers)  # their values live in the state only
+    return model, weights, buffers, frozen, values
+
+
+def output_names(model: onnx.ModelProto, loss: str) -> list[str]:
+    """A step's outputs: the model's, the loss first when it is not one of them."""
+    names = [o.name for o in model.graph.output]
+    return names if loss in names else [loss] + names
+
+
+def _check_loss(model: onnx.ModelProto, loss: str) -> None:
+    graph = model.graph
+    values = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    values |= {o for n in graph.node for o in n.output if o}
+    if loss not in values:
+        raise InvalidArgumentError(f"TrainingParameters.loss_output_name '{loss}' is not a value of the "
+                                   f"model; its outputs are {[o.name for o in graph.output]}")
+
+
+def _class_indices(model: onnx.ModelProto) -> dict[str, tuple[int | None, int | None, str]]:
+    """The class-index inputs of the model's losses, so that a label out of range is refused
+    before a run: {input: (class count or None, ignore_index or None, the node)}."""
+    graph = model.graph
+    labels: dict[str, tuple[int | None, int | None, str]] = {}
+    inputs = {i.name for i in graph.input}
+    losses = [n for n in graph.node if n.op_type in _CLASS_LOSSES and n.domain in ("", "ai.onnx")
+              and len(n.input) > 1 and n.input[1] in inputs]
+    if not losses:
+        return labels
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - no class count known: onnxruntime checks at run time
+        inferred = model
+    types = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    for n in losses:
+        dims = types[n.input[0]].tensor_type.shape.dim if n.input[0] in types else []
+        classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
+        ignore = next((a.i for a in n.attribute if a.name == "ignore_index"), None)
+        labels[n.input[1]] = (classes, ignore, f"node '{n.name}' ({n.op_type})")
+    return labels
+
+
+def check_labels(labels: Mapping[str, tuple], name: str, value) -> None:
+    """Refuse class indices out of range for the loss that reads input ``name`` (``labels``:
+    :attr:`ModelFacts.labels`)."""
+    if name not in labels:
+        return
+    classes, ignore, node = labels[name]
+    indices = np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
+    if indices.dtype.kind not in "iu":
+        return  # onnxruntime refuses the type
+    bad = (indices < 0) if classes is None else ((indices < 0) | (indices >= classes))
+    if ignore is not None:
+        bad &= indices != ignore
+    if bad.any():
+        first = indices[bad].flat[0]
+        allowed = f"0..{classes - 1}" if classes is not None else ">= 0"
+        raise InvalidArgumentError(f"input '{name}': class index {first} is out of range for {node}, which takes "
+                                   f"{allowed}" + (f" or ignore_index {ignore}" if ignore is not None else ""))
