@@ -10,6 +10,7 @@ repeats (and scalar indices) need no reduction at any opset.
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
@@ -150,6 +151,7 @@ def segment_sum(e, g, pos, batch, depth, rest, unique, like):
             bk = e.Slice(e.Shape(g), e.ints([0]), e.ints([2]), e.ints([0]))
             rows = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, batch), scalar_of(e, 1)), [-1, 1])
             where = e.Concat(e.Unsqueeze(e.Expand(rows, bk), [2]), e.Unsqueeze(e.Expand(pos, bk), [2]), axis=2)
+            e.typed(where, ir.DataType.INT64, (None, None, 2))  # (batch, position) pairs
             data = zeros(e, stack(e, [batch, depth, rest]), like, acc)
             out = e.ScatterND(data, where, g, reduction=reduction)
     else:
