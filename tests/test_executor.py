@@ -145,7 +145,7 @@ def test_the_spinning_policy_is_written_once():
     mine = ort.SessionOptions()
     mine.add_session_config_entry(SPINNING, "0")
     assert _entry(taking_turns(mine), STOP_SPINNING) is None
-    ortmodule = (RUNTIME.parent / "ortmodule" / "runner.py").read_text()
+    ortmodule = (RUNTIME.parent / "ortmodule" / "compiled.py").read_text()
     assert "taking_turns" in ortmodule and STOP_SPINNING not in ortmodule and SPINNING not in ortmodule
 
 

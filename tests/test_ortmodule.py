@@ -440,7 +440,7 @@ def test_embedding_padding_row_gets_no_gradient_through_the_lookup():
 
 
 def test_tensors_cross_without_copies():
-    from gradbuilder.ortmodule.runner import to_ort, to_torch
+    from gradbuilder.ortmodule.compiled import to_ort, to_torch
 
     t = torch.randn(3, 4)
     v = to_ort(t)

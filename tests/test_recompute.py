@@ -1,5 +1,5 @@
 """The recompute pass: same gradients, fewer activations read by the backward, lower peak
-memory on onnxruntime under runtime.recompute.session_settings()."""
+memory on onnxruntime under runtime.recompute_settings.session_settings()."""
 
 import json
 import math
@@ -14,7 +14,7 @@ from onnx import helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.compiler.passes.recompute import RecomputeOptions, RecomputeReport
-from gradbuilder.runtime.recompute import make_session, session_settings
+from gradbuilder.runtime.recompute_settings import make_session, session_settings
 
 from .helpers import make_model, tensor, vi
 
@@ -317,7 +317,7 @@ def test_session_settings_create_no_nodes_so_clones_run_in_the_backward(tmp_path
 
 _PEAK = """
 import sys, numpy as np, onnxruntime as ort
-from gradbuilder.runtime.recompute import make_session
+from gradbuilder.runtime.recompute_settings import make_session
 so = ort.SessionOptions()
 so.enable_cpu_mem_arena = sys.argv[2] == "arena"
 so.enable_mem_pattern = False

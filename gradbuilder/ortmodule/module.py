@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from ..errors import ExportError, GradBuilderError, InvalidArgumentError
 from .export import Output, export
 from .options import DebugOptions, logger
-from .runner import Compiled, ORTFunction
+from .compiled import Compiled, ORTFunction
 
 _S = ort.capi.onnxruntime_pybind11_state
 _OrtFail = (RuntimeError, _S.Fail, _S.InvalidArgument, _S.RuntimeException)  # a failed onnxruntime run

@@ -12,5 +12,5 @@
   (``distributed``) across processes;
 - ``session``: ``TrainingSession``, a facade over the facts, graphs, state and an executor;
 - ``checkpoint`` (safetensors files, and whether a session may resume one), ``schedulers`` (learning-rate schedules), ``loop``
-  (the command line's training loop), ``recompute`` (the session settings recompute needs).
+  (the command line's training loop), ``recompute_settings`` (the session settings recompute needs).
 """

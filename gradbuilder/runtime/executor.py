@@ -162,7 +162,7 @@ class LocalExecutor(Executor):
 
     # ------------------------------------------------------------------ for every executor
     def check_feeds(self, kind: str, feeds: Mapping[str, object], given: Mapping[str, object]) -> dict:
-        """The caller's ``feeds`` of graph ``kind`` checked (``runner.Graph.check_feeds``, class
+        """The caller's ``feeds`` of graph ``kind`` checked (``runner.CompiledGraph.check_feeds``, class
         indices in range)."""
         labels = self.parts.facts.labels
         check = (lambda name, value: check_labels(labels, name, value)) if labels else None

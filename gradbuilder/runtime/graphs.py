@@ -16,8 +16,8 @@ from ..compiler import modelio
 from ..interface import updated
 from ..training.graph import StepGradientsBuilder, TrainingGraphBuilder, eval_model, optimizer_only_model
 from . import providers as _providers
-from .recompute import session_settings
-from .runner import Graph, compile_graph, taking_turns
+from .recompute_settings import session_settings
+from .runner import CompiledGraph, compile_graph, taking_turns
 
 
 class Kind(str, enum.Enum):
@@ -53,7 +53,7 @@ class Kind(str, enum.Enum):
 
 class GraphCache:
     """The session's graphs, by :class:`Kind`: each built once (``serialized``: independent of
-    the providers) and compiled on first use (``cache[kind]``: a ``runner.Graph``) for the
+    the providers) and compiled on first use (``cache[kind]``: a ``runner.CompiledGraph``) for the
     current providers; ``set_providers`` compiles again for others, ``clear`` forgets every
     graph (the frozen parameters they hold changed). ``partition`` makes the optimizer graph
     update some of the weights only (ZeRO; a pipeline stage's). ``compile`` compiles another
@@ -67,7 +67,7 @@ class GraphCache:
         self._facts, self._builder, self._sess_options = facts, builder, sess_options
         self._providers, self._provider_options, self._device = providers, provider_options, device
         self._built: dict[Kind, bytes] = {}  # kind -> serialized graph (independent of providers)
-        self._compiled: dict[Kind, Graph] = {}  # kind -> its compiled graph
+        self._compiled: dict[Kind, CompiledGraph] = {}  # kind -> its compiled graph
         self._in_place: dict[Kind, frozenset[str]] = {}  # kind -> its state updated in place
         self._owned: list[str] | None = None  # the weights the optimizer graph updates; None: all
 
@@ -83,7 +83,7 @@ class GraphCache:
     def device(self) -> tuple[str, int]:
         return self._device
 
-    def __getitem__(self, kind: str) -> Graph:
+    def __getitem__(self, kind: str) -> CompiledGraph:
         kind = Kind(kind)
         if kind not in self._compiled:
             options, disabled = self._sess_options, ()
@@ -99,7 +99,7 @@ class GraphCache:
             self._compiled[kind] = self.compile(self.serialized(kind), options, disabled)
         return self._compiled[kind]
 
-    def compile(self, model: bytes, sess_options=None, disabled_optimizers: Sequence[str] = ()) -> Graph:
+    def compile(self, model: bytes, sess_options=None, disabled_optimizers: Sequence[str] = ()) -> CompiledGraph:
         """``model`` (serialized) compiled for the current providers, with the session's
         options (or ``sess_options``)."""
         options = self._sess_options if sess_options is None else sess_options

@@ -14,7 +14,7 @@ from ..errors import InvalidArgumentError
 from . import providers as _providers
 
 
-class Graph:
+class CompiledGraph:
     """A compiled graph: ``session``, ``inputs`` (name -> NodeArg), ``outputs`` (names) and
     ``device`` (``(kind, index)``, where outputs are bound)."""
 
@@ -97,7 +97,7 @@ class StepBinding:
     values (the other set's buffers, and the in-place ones).
     """
 
-    def __init__(self, graph: Graph, state: Mapping[str, ort.OrtValue], in_place: set[str]):
+    def __init__(self, graph: CompiledGraph, state: Mapping[str, ort.OrtValue], in_place: set[str]):
         from ..interface import updated
 
         self.graph = graph
@@ -176,9 +176,9 @@ SLOWER_FUSIONS = ("SkipLayerNormFusion",)
 
 
 def compile_graph(model: bytes, sess_options, providers, provider_options, device: tuple[str, int],
-                  disabled_optimizers: Sequence[str] = ()) -> Graph:
+                  disabled_optimizers: Sequence[str] = ()) -> CompiledGraph:
     """``model`` (serialized) loaded by onnxruntime, one session per model and configuration
     (``providers.cached_session``), without the SLOWER_FUSIONS."""
     disabled = sorted(set(disabled_optimizers) | set(SLOWER_FUSIONS))
     session = _providers.cached_session(model, sess_options, providers, provider_options, disabled)
-    return Graph(session, device)
+    return CompiledGraph(session, device)
