@@ -16,6 +16,8 @@ matrix of those samples (a gather of the four corners), see :func:`deform_conv`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
@@ -251,6 +253,147 @@ def conv_transpose(n, dys, needs, e):
 # ----------------------------------------------------------------------------- DeformConv
 
 
+class _DeformSizes(NamedTuple):
+    """DeformConv's sizes (ints or 1-element int64 tensors): X (batch, c, h, w), W's m,
+    the kernel (kh, kw), the output (oh, ow), k = kh kw, o = oh ow and hw = h w."""
+
+    batch: object
+    c: object
+    h: object
+    w: object
+    m: object
+    kh: object
+    kw: object
+    oh: object
+    ow: object
+    k: object
+    o: object
+    hw: object
+
+
+class _Samples(NamedTuple):
+    """X read bilinearly at the sampling positions, L = (kh, kw, oh, ow) per offset group."""
+
+    table: ir.Value  # X as rows (N*og*H*W, C/og)
+    index: ir.Value  # (N, og, 4L, 1): the four corners' rows in ``table``
+    cg: object  # C/og, the channels of an offset group
+    wy: list  # the bilinear weights along y, (1 - ly, ly), each (N, og, L)
+    wx: list  # and along x
+    inside: list  # per corner (0,0) (0,1) (1,0) (1,1): 1 where it lies in X, (N, og, L)
+    values: list  # per corner: X there, (N, og, L, C/og), zero outside X
+    weights: list  # per corner: its bilinear weight wy_a wx_b, (N, og, L, 1)
+    sampled: ir.Value  # S: the weighted sum of the corners, (N, og, L, C/og)
+
+
+def _deform_positions(e, offset, sz, og, strides, dilations, pads, like):
+    """The sampling positions (p_y, p_x), each (N, og, L) with L = (kh, kw, oh, ow) kernel
+    tap major: k*dilation + o*stride - pad_begin + the offset."""
+    f = lambda v: e.scalar(float(v), like)  # noqa: E731
+    full = stack(e, [sz.kh, sz.kw, sz.oh, sz.ow])
+
+    def base(kn, on, axis):  # k*dilation + o*stride - pad_begin over (kh, kw, oh, ow), flattened
+        tap = e.Unsqueeze(e.Mul(arange(e, kn, like), f(dilations[axis])), [1, 2, 3] if axis == 0 else [0, 2, 3])
+        out = e.Sub(e.Mul(arange(e, on, like), f(strides[axis])), f(pads[axis]))
+        out = e.Unsqueeze(out, [0, 1, 3] if axis == 0 else [0, 1, 2])
+        return e.Reshape(e.Expand(e.Add(tap, out), full), e.ints([-1]))
+
+    base_y, base_x = base(sz.kh, sz.oh, 0), base(sz.kw, sz.ow, 1)
+    off = e.CastLike(e.Reshape(offset, stack(e, [sz.batch, og, sz.k, 2, sz.o])), like)
+    off_y, off_x = e.split_into(off, 2, axis=3)
+    py = e.Add(e.Reshape(off_y, stack(e, [sz.batch, og, -1])), base_y)  # (N, og, L)
+    px = e.Add(e.Reshape(off_x, stack(e, [sz.batch, og, -1])), base_x)
+    return py, px
+
+
+def _bilinear_samples(e, xx, py, px, sz, og, like) -> _Samples:
+    """X (``xx``, in the compute type) at (py, px): its four corners (a, b) = (0,0) (0,1)
+    (1,0) (1,1) gathered as rows of X viewed as (N*og*H*W, C/og) (corners outside X read
+    row 0, weighted 0) and their bilinear sum."""
+    f = lambda v: e.scalar(float(v), like)  # noqa: E731
+    h, wd, hw = sz.h, sz.w, sz.hw
+    y0, x0 = e.Floor(py), e.Floor(px)
+    ly, lx = e.Sub(py, y0), e.Sub(px, x0)
+    wy = [e.Sub(f(1.0), ly), ly]
+    wx = [e.Sub(f(1.0), lx), lx]
+    hf, wf = (e.CastLike(v, like) if not isinstance(v, int) else f(v) for v in (h, wd))
+    i64 = int(ir.DataType.INT64)
+    plane = e.Mul(e.Unsqueeze(e.Reshape(arange(e, imul(e, sz.batch, og)), stack(e, [sz.batch, og])), [2]),
+                  e.ints([hw]) if isinstance(hw, int) else hw)  # (N, og, 1): first row of each plane
+    zero = e.const(np.array(0, np.int64))
+    rows, inside = [], []
+    for a in (0, 1):
+        for bb in (0, 1):
+            yi, xi = e.Add(y0, f(a)), e.Add(x0, f(bb))
+            ok = e.And(e.And(e.GreaterOrEqual(yi, f(0)), e.Less(yi, hf)),
+                       e.And(e.GreaterOrEqual(xi, f(0)), e.Less(xi, wf)))
+            yk = e.Where(ok, e.Cast(yi, to=i64), zero)  # corners outside X read row 0, weighted 0
+            xk = e.Where(ok, e.Cast(xi, to=i64), zero)
+            rows.append(e.Add(plane, e.Add(e.Mul(yk, e.ints([wd]) if isinstance(wd, int) else wd), xk)))
+            inside.append(e.CastLike(ok, like))
+    index = e.Unsqueeze(e.Concat(*rows, axis=2), [-1])  # (N, og, 4L, 1)
+    c = sz.c
+    cg = c // og if isinstance(c, int) else e.Div(c, e.ints([og]))
+    xt = e.Transpose(e.Reshape(xx, stack(e, [sz.batch, og, cg, hw])), perm=[0, 1, 3, 2])
+    table = e.Reshape(xt, stack(e, [-1, cg]))  # (N*og*H*W, C/og)
+    vals = e.Reshape(e.GatherND(table, index), stack(e, [sz.batch, og, 4, -1, cg]))  # (N, og, 4, L, C/og)
+    v = [e.Mul(e.Gather(vals, e.const(np.array(i, np.int64)), axis=2), e.Unsqueeze(inside[i], [-1]))
+         for i in range(4)]  # each (N, og, L, C/og), zero outside X
+    wgt = [e.Unsqueeze(e.Mul(wy[a], wx[bb]), [-1]) for a in (0, 1) for bb in (0, 1)]
+    sampled = e.Add(e.Add(e.Mul(wgt[0], v[0]), e.Mul(wgt[1], v[1])), e.Add(e.Mul(wgt[2], v[2]), e.Mul(wgt[3], v[3])))
+    return _Samples(table, index, cg, wy, wx, inside, v, wgt, sampled)
+
+
+def _to_groups(e, v, sz, og, cg, group):
+    """(N, og, L, C/og) -> (N, group, C/group*K, O): the im2col layout of the grouped MatMul."""
+    t = e.Transpose(e.Reshape(v, stack(e, [sz.batch, og, sz.k, sz.o, cg])), perm=[0, 1, 4, 2, 3])
+    return e.Reshape(t, stack(e, [sz.batch, group, -1, sz.o]))
+
+
+def _from_groups(e, v, sz, og, cg):
+    """The inverse of _to_groups."""
+    t = e.Reshape(v, stack(e, [sz.batch, og, cg, sz.k, sz.o]))
+    return e.Reshape(e.Transpose(t, perm=[0, 1, 3, 4, 2]), stack(e, [sz.batch, og, -1, cg]))
+
+
+def _deform_dw(e, dy_g, cols, sz, og, cg, group, w):
+    """dW = sum_n dY cols^T per group, cols (N, og, L, C/og) the (masked) samples."""
+    g = e.reduce("ReduceSum", e.MatMul(dy_g, e.Transpose(_to_groups(e, cols, sz, og, cg, group), perm=[0, 1, 3, 2])),
+                 [0], keepdims=False)
+    return e.CastLike(e.Reshape(g, e.Shape(w)), w)
+
+
+def _deform_dmask(e, dcols, samples, mask):
+    """dmask = sum over the offset group's channels of dcols * S."""
+    dm = e.reduce("ReduceSum", e.Mul(dcols, samples.sampled), [3], keepdims=False)  # (N, og, L)
+    return e.CastLike(e.Reshape(dm, e.Shape(mask)), mask)
+
+
+def _deform_dx(e, ds, samples, sz, og, x, like):
+    """dX: ds (dcols * mask) times each corner's bilinear weight, scatter-added onto the four
+    corners (corners outside X weigh 0)."""
+    updates = e.Concat(*[e.Mul(ds, e.Mul(samples.weights[i], e.Unsqueeze(samples.inside[i], [-1])))
+                         for i in range(4)], axis=2)
+    zeros = e.Expand(e.scalar(0.0, like), e.Shape(samples.table))
+    acc = e.ScatterND(zeros, samples.index, updates, reduction="add")  # (N*og*H*W, C/og)
+    g = e.Transpose(e.Reshape(acc, stack(e, [sz.batch, og, sz.hw, samples.cg])), perm=[0, 1, 3, 2])
+    return e.CastLike(e.Reshape(g, e.Shape(x)), x)
+
+
+def _deform_doffset(e, ds, samples, sz, og, offset):
+    """doffset (per axis) = sum over channels of ds * dS/dp:
+    dS/dp_y = sum_b wx_b (v[1b] - v[0b]); dS/dp_x = sum_a wy_a (v[a1] - v[a0])."""
+    v = samples.values
+    wxu = [e.Unsqueeze(t, [-1]) for t in samples.wx]
+    wyu = [e.Unsqueeze(t, [-1]) for t in samples.wy]
+    s_y = e.Add(e.Mul(wxu[0], e.Sub(v[2], v[0])), e.Mul(wxu[1], e.Sub(v[3], v[1])))
+    s_x = e.Add(e.Mul(wyu[0], e.Sub(v[1], v[0])), e.Mul(wyu[1], e.Sub(v[3], v[2])))
+    gy = e.reduce("ReduceSum", e.Mul(ds, s_y), [3], keepdims=False)  # (N, og, L)
+    gx = e.reduce("ReduceSum", e.Mul(ds, s_x), [3], keepdims=False)
+    both = e.Concat(e.Reshape(gy, stack(e, [sz.batch, og, sz.k, 1, sz.o])),
+                    e.Reshape(gx, stack(e, [sz.batch, og, sz.k, 1, sz.o])), axis=3)
+    return e.CastLike(e.Reshape(both, e.Shape(offset)), offset)
+
+
 @register("DeformConv", since=19)
 def deform_conv(n, dys, needs, e):
     """Y[n, m, o] = B[m] + sum_{c in group(m), k} W[m, c, k] * mask[n, g(c), k, o] * S[n, c, k, o],
@@ -285,99 +428,34 @@ def deform_conv(n, dys, needs, e):
     k = imul(e, kh, kw)
     o = imul(e, oh, ow)
     hw = imul(e, h, wd)
+    sz = _DeformSizes(big_n, c, h, wd, m, kh, kw, oh, ow, k, o, hw)
     dy = cast_to(e, dy, compute_type(dy))  # positions and sums in float32 for 16-bit floats
     like = dy
-    f = lambda v: e.scalar(float(v), like)  # noqa: E731
     xx = e.CastLike(x, like)
 
-    # sampling positions, (N, og, L) with L = (kh, kw, oh, ow): kernel tap major
-    full = stack(e, [kh, kw, oh, ow])
-
-    def base(kn, on, axis):  # k*dilation + o*stride - pad_begin over (kh, kw, oh, ow), flattened
-        tap = e.Unsqueeze(e.Mul(arange(e, kn, like), f(dilations[axis])), [1, 2, 3] if axis == 0 else [0, 2, 3])
-        out = e.Sub(e.Mul(arange(e, on, like), f(strides[axis])), f(pads[axis]))
-        out = e.Unsqueeze(out, [0, 1, 3] if axis == 0 else [0, 1, 2])
-        return e.Reshape(e.Expand(e.Add(tap, out), full), e.ints([-1]))
-
-    base_y, base_x = base(kh, oh, 0), base(kw, ow, 1)
-    off = e.CastLike(e.Reshape(offset, stack(e, [big_n, og, k, 2, o])), like)
-    off_y, off_x = e.split_into(off, 2, axis=3)
-    py = e.Add(e.Reshape(off_y, stack(e, [big_n, og, -1])), base_y)  # (N, og, L)
-    px = e.Add(e.Reshape(off_x, stack(e, [big_n, og, -1])), base_x)
-
-    # four corners (a, b) = (0,0) (0,1) (1,0) (1,1): global row index into X as (N*og*H*W, C/og)
-    y0, x0 = e.Floor(py), e.Floor(px)
-    ly, lx = e.Sub(py, y0), e.Sub(px, x0)
-    wy = [e.Sub(f(1.0), ly), ly]
-    wx = [e.Sub(f(1.0), lx), lx]
-    hf, wf = (e.CastLike(v, like) if not isinstance(v, int) else f(v) for v in (h, wd))
-    i64 = int(ir.DataType.INT64)
-    plane = e.Mul(e.Unsqueeze(e.Reshape(arange(e, imul(e, big_n, og)), stack(e, [big_n, og])), [2]),
-                  e.ints([hw]) if isinstance(hw, int) else hw)  # (N, og, 1): first row of each plane
-    zero = e.const(np.array(0, np.int64))
-    rows, inside = [], []
-    for a in (0, 1):
-        for bb in (0, 1):
-            yi, xi = e.Add(y0, f(a)), e.Add(x0, f(bb))
-            ok = e.And(e.And(e.GreaterOrEqual(yi, f(0)), e.Less(yi, hf)),
-                       e.And(e.GreaterOrEqual(xi, f(0)), e.Less(xi, wf)))
-            yk = e.Where(ok, e.Cast(yi, to=i64), zero)  # corners outside X read row 0, weighted 0
-            xk = e.Where(ok, e.Cast(xi, to=i64), zero)
-            rows.append(e.Add(plane, e.Add(e.Mul(yk, e.ints([wd]) if isinstance(wd, int) else wd), xk)))
-            inside.append(e.CastLike(ok, like))
-    index = e.Unsqueeze(e.Concat(*rows, axis=2), [-1])  # (N, og, 4L, 1)
-    cg = c // og if isinstance(c, int) else e.Div(c, e.ints([og]))
-    xt = e.Transpose(e.Reshape(xx, stack(e, [big_n, og, cg, hw])), perm=[0, 1, 3, 2])
-    table = e.Reshape(xt, stack(e, [-1, cg]))  # (N*og*H*W, C/og)
-    vals = e.Reshape(e.GatherND(table, index), stack(e, [big_n, og, 4, -1, cg]))  # (N, og, 4, L, C/og)
-    v = [e.Mul(e.Gather(vals, e.const(np.array(i, np.int64)), axis=2), e.Unsqueeze(inside[i], [-1]))
-         for i in range(4)]  # each (N, og, L, C/og), zero outside X
-    wgt = [e.Unsqueeze(e.Mul(wy[a], wx[bb]), [-1]) for a in (0, 1) for bb in (0, 1)]
-    sampled = e.Add(e.Add(e.Mul(wgt[0], v[0]), e.Mul(wgt[1], v[1])), e.Add(e.Mul(wgt[2], v[2]), e.Mul(wgt[3], v[3])))
+    py, px = _deform_positions(e, offset, sz, og, strides, dilations, pads, like)
+    samples = _bilinear_samples(e, xx, py, px, sz, og, like)
+    cg = samples.cg
     mk = None
     if mask is not None:
         mk = e.Unsqueeze(e.Reshape(e.CastLike(mask, like), stack(e, [big_n, og, -1])), [-1])  # (N, og, L, 1)
-    cols_nl = e.Mul(sampled, mk) if mk is not None else sampled
-
-    def to_groups(v):  # (N, og, L, C/og) -> (N, group, C/group*K, O)
-        t = e.Transpose(e.Reshape(v, stack(e, [big_n, og, k, o, cg])), perm=[0, 1, 4, 2, 3])
-        return e.Reshape(t, stack(e, [big_n, group, -1, o]))
-
-    def from_groups(v):  # the inverse
-        t = e.Reshape(v, stack(e, [big_n, og, cg, k, o]))
-        return e.Reshape(e.Transpose(t, perm=[0, 1, 3, 4, 2]), stack(e, [big_n, og, -1, cg]))
+    cols_nl = e.Mul(samples.sampled, mk) if mk is not None else samples.sampled
 
     dy_g = e.Reshape(dy, stack(e, [big_n, group, -1, o]))  # (N, group, M/group, O)
     mg = m // group if isinstance(m, int) else e.Div(m, e.ints([group]))
     w_g = e.Reshape(e.CastLike(w, like), stack(e, [group, mg, -1]))  # (group, M/group, C/group*K)
     dx = dw = doff = db = dmask = None
     if needs[1]:
-        g = e.reduce("ReduceSum", e.MatMul(dy_g, e.Transpose(to_groups(cols_nl), perm=[0, 1, 3, 2])), [0],
-                     keepdims=False)
-        dw = e.CastLike(e.Reshape(g, e.Shape(w)), w)
+        dw = _deform_dw(e, dy_g, cols_nl, sz, og, cg, group, w)
     if wants(needs, 3):
         db = e.CastLike(bias_grad(e, dy, 4), b)
     if needs[0] or needs[2] or wants(needs, 4):
-        dcols = from_groups(e.MatMul(e.Transpose(w_g, perm=[0, 2, 1]), dy_g))  # (N, og, L, C/og)
+        dcols = _from_groups(e, e.MatMul(e.Transpose(w_g, perm=[0, 2, 1]), dy_g), sz, og, cg)  # (N, og, L, C/og)
         if wants(needs, 4):
-            dm = e.reduce("ReduceSum", e.Mul(dcols, sampled), [3], keepdims=False)  # (N, og, L)
-            dmask = e.CastLike(e.Reshape(dm, e.Shape(mask)), mask)
+            dmask = _deform_dmask(e, dcols, samples, mask)
         ds = e.Mul(dcols, mk) if mk is not None else dcols
         if needs[0]:
-            updates = e.Concat(*[e.Mul(ds, e.Mul(wgt[i], e.Unsqueeze(inside[i], [-1]))) for i in range(4)], axis=2)
-            zeros = e.Expand(e.scalar(0.0, like), e.Shape(table))
-            acc = e.ScatterND(zeros, index, updates, reduction="add")  # (N*og*H*W, C/og)
-            g = e.Transpose(e.Reshape(acc, stack(e, [big_n, og, hw, cg])), perm=[0, 1, 3, 2])
-            dx = e.CastLike(e.Reshape(g, e.Shape(x)), x)
+            dx = _deform_dx(e, ds, samples, sz, og, x, like)
         if needs[2]:
-            # dS/dp_y = sum_b wx_b (v[1b] - v[0b]); dS/dp_x = sum_a wy_a (v[a1] - v[a0])
-            wxu = [e.Unsqueeze(t, [-1]) for t in wx]
-            wyu = [e.Unsqueeze(t, [-1]) for t in wy]
-            s_y = e.Add(e.Mul(wxu[0], e.Sub(v[2], v[0])), e.Mul(wxu[1], e.Sub(v[3], v[1])))
-            s_x = e.Add(e.Mul(wyu[0], e.Sub(v[1], v[0])), e.Mul(wyu[1], e.Sub(v[3], v[2])))
-            gy = e.reduce("ReduceSum", e.Mul(ds, s_y), [3], keepdims=False)  # (N, og, L)
-            gx = e.reduce("ReduceSum", e.Mul(ds, s_x), [3], keepdims=False)
-            both = e.Concat(e.Reshape(gy, stack(e, [big_n, og, k, 1, o])),
-                            e.Reshape(gx, stack(e, [big_n, og, k, 1, o])), axis=3)
-            doff = e.CastLike(e.Reshape(both, e.Shape(offset)), offset)
+            doff = _deform_doffset(e, ds, samples, sz, og, offset)
     return [dx, dw, doff, db, dmask][: len(n.inputs)]

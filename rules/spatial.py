@@ -23,6 +23,9 @@ op's own linear map:
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
@@ -351,6 +354,158 @@ def _policy_scale(e, d, axes, sizes, policy, ct):
     return e.reduce("ReduceMin" if policy == "not_larger" else "ReduceMax", ratios, [0], keepdims=True)
 
 
+class _AxisGeometry(NamedTuple):
+    """Where the output positions of one resized axis read from (see _source_coordinates)."""
+
+    x: ir.Value  # source positions x_j [out]
+    dx: dict  # dx_j / d{"s", "start", "end"}
+    extrapolated: ir.Value | None  # tf_crop_and_resize: rows that take extrapolation_value
+    s: ir.Value  # the axis' scale
+    stretch: ir.Value | None  # antialias: the kernel's stretch min(s, 1)
+
+
+class _ResizeAxes:
+    """The resized axes of one Resize node: axis i of ``axes`` is tensor axis axes[i] (k).
+    For each: its size or scale as the node gets it, its geometry (built once, where first
+    needed: M_k from the formulas or the scales / roi gradients), its taps and its
+    interpolation matrix M_k. keep_aspect_ratio_policy's one scale is built once too."""
+
+    def __init__(self, e, n, d, axes, *, hd, use_sizes, given_c, policy, plan, ctm, antialias):
+        self.e, self.n, self.d, self.axes, self.hd = e, n, d, axes, hd
+        self.roi, self.scales, self.sizes = (optional_input(n, i) for i in (1, 2, 3))
+        self.use_sizes, self.given_c, self.policy, self.plan = use_sizes, given_c, policy, plan
+        self.explicit = policy != "stretch" and plan is None  # every M_k from the formulas
+        self.ctm, self.crop, self.antialias = ctm, ctm == "tf_crop_and_resize", antialias
+        self.out_dims = Dims(e, n.outputs[0])
+        self._geometries = {}
+
+    @functools.cached_property
+    def policy_scale(self) -> ir.Value:
+        return _policy_scale(self.e, self.d, self.axes, as_int64(self.e, self.sizes), self.policy, self.hd)
+
+    def given(self, i):
+        """Axis i's size (int, or int64 [1]) or scale (float, or [1]) as the node gets it."""
+        e = self.e
+        if self.use_sizes:
+            return int(self.given_c[i]) if self.given_c is not None else e.Gather(as_int64(e, self.sizes), e.ints([i]))
+        return float(self.given_c[i]) if self.given_c is not None else e.Gather(self.scales, e.ints([i]))
+
+    def scale(self, i, length) -> ir.Value:
+        """Axis i's scale s (length its input length): the policy's, size / length or the given scale."""
+        e, hd = self.e, self.hd
+        if self.policy != "stretch":
+            return self.policy_scale
+        if self.use_sizes:
+            return e.Div(_real(e, self.given(i), hd), _real(e, length, hd))
+        return _real(e, self.given(i), hd)
+
+    def roi_bounds(self, i):
+        """(start, end) of axis i in the roi (tf_crop_and_resize; None otherwise)."""
+        if not self.crop:
+            return None
+        e, hd, roi = self.e, self.hd, self.roi
+        c = constant_of(roi)
+        return tuple(_real(e, float(c[j]), hd) if c is not None else cast_to(e, e.Gather(roi, e.ints([j])), hd)
+                     for j in (i, len(self.axes) + i))
+
+    def geometry(self, i) -> _AxisGeometry:
+        if i not in self._geometries:
+            e, hd, k = self.e, self.hd, self.axes[i]
+            length = self.d[k]
+            s = self.scale(i, length)
+            roi_k = self.roi_bounds(i)
+            stretch = e.Min(s, _real(e, 1.0, hd)) if self.antialias else None
+            self._geometries[i] = _AxisGeometry(
+                *_source_coordinates(e, self.ctm, self.out_dims[k], length, s, roi_k, hd), s, stretch)
+        return self._geometries[i]
+
+    def taps(self, i):
+        """_taps of axis i at its source positions."""
+        g = self.geometry(i)
+        return _taps(self.e, self.n, g.x, self.d[self.axes[i]], self.hd, g.stretch)
+
+    def formula_matrix(self, i) -> ir.Value:
+        """M_k of axis i built from the interpolation formulas."""
+        extrapolated = self.geometry(i).extrapolated
+        idx, w, _, _ = self.taps(i)
+        return _explicit_matrix(self.e, idx, w, extrapolated, self.d[self.axes[i]], self.hd)
+
+    def matrix(self, i):
+        """M_k of axis i: the node's Resize of an identity, or from the formulas (explicit
+        policy, or a scale that keeps a static length); None where it is an identity."""
+        e, k = self.e, self.axes[i]
+        length = self.d[k]
+        if self.explicit:
+            return self.formula_matrix(i)
+        roi_k, whole = _axis_roi(e, self.roi, i, len(self.axes)) if self.crop else (None, True)
+        if self.plan is not None:
+            kind, value = self.plan[i]
+        else:
+            kind, value = "size" if self.use_sizes else "scale", self.given(i)
+        if whole and (kind == "scale" and isinstance(value, float) and value == 1.0
+                      or kind == "size" and isinstance(value, int) and isinstance(length, int) and value == length):
+            return None
+        if kind == "scale" and isinstance(length, int) and self.out_dims[k] == length:
+            # a scale != 1 that keeps the length: onnxruntime returns X unchanged from a
+            # Resize whose output shape is X's, so the helper on a length x length identity
+            # would give one, where the node resamples: from the formulas
+            return self.formula_matrix(i)
+        return _interpolation_matrix(e, self.n, self.hd, length, roi=roi_k, **{kind: value})
+
+
+def _through_matrices(e, g, matrices, rank, cast_like=None):
+    """``g`` contracted with every M_k in order (g x_k M_k^T), M_k cast like ``cast_like``
+    when given; with before[i], g as it reaches axes[i] (through the axes before it)."""
+    before = []
+    for k, mk in matrices:
+        before.append(g)
+        if mk is not None:
+            g = _contract(e, g, mk if cast_like is None else e.CastLike(mk, cast_like), k, rank)
+    return g, before
+
+
+def _resized_after(e, f, matrices, rank):
+    """after[i]: ``f`` resized along every axis after axes[i] (f x_k M_k, the last axis first)."""
+    after = [None] * len(matrices)
+    for i in reversed(range(len(matrices))):
+        k, mk = matrices[i]
+        after[i] = f
+        if mk is not None:
+            f = _contract(e, f, e.Transpose(mk, perm=[1, 0]), k, rank)
+    return after
+
+
+def _total(e, v):
+    """The sum of every entry of ``v``, as [1]."""
+    return e.Reshape(e.reduce("ReduceSum", v, None, keepdims=False), [1])
+
+
+def _position_grads(e, axes, i, before, after, rank, *, want_scales, want_roi):
+    """dL/ds and dL/droi (start, end) of axis i ([1] each, None where not wanted). dL/dM_k
+    [out, in] pairs ``before`` (dy through the axes before axes[i]) with ``after`` (X through
+    the axes after it); dL/dx_j = sum over the taps of dL/dM_k at the taps times dw/dx_j,
+    times dx_j/ds, dx_j/dstart, dx_j/dend; with antialias, the stretch's share dt/ds = 1
+    where s < 1."""
+    g = axes.geometry(i)
+    idx, _, dw_dx, dw_dt = axes.taps(i)
+    hd = axes.hd
+    dm = _outer(e, cast_to(e, before, hd), after, axes.axes[i], rank)  # dL/dM_k [out, in]
+    if g.extrapolated is not None:
+        dm = e.Where(e.Unsqueeze(g.extrapolated, [1]), e.scalar(0.0, like=dm), dm)
+    at_taps = e.GatherElements(dm, idx, axis=1)  # [out, T]
+    dl_dx = e.reduce("ReduceSum", e.Mul(at_taps, dw_dx), [1], keepdims=False)  # [out]
+    g_s = g_start = g_end = None
+    if want_scales:
+        g_s = _total(e, e.Mul(dl_dx, g.dx["s"]))
+        if g.stretch is not None:  # dt/ds = 1 where s < 1
+            below = e.Cast(e.Less(g.s, _real(e, 1.0, hd)), to=int(hd))
+            g_s = e.Add(g_s, e.Mul(_total(e, e.Mul(at_taps, dw_dt)), e.Reshape(below, [1])))
+    if want_roi:
+        g_start = _total(e, e.Mul(dl_dx, g.dx["start"]))
+        g_end = _total(e, e.Mul(dl_dx, g.dx["end"]))
+    return g_s, g_start, g_end
+
+
 @register("Resize")
 def resize(n, dys, needs, e):
     """Resize is linear in X and separable: y = X x_1 M_1 x_2 M_2 ..., M_k (out_k x in_k)
@@ -405,103 +560,26 @@ def resize(n, dys, needs, e):
     policy = text_attr(n, "keep_aspect_ratio_policy", "stretch") if use_sizes else "stretch"
     given_c = constant_of(given)
     plan = _aspect_plan(d, axes, given_c, policy) if policy != "stretch" else None
-    explicit = policy != "stretch" and plan is None
     hd = float_type(x)
     want_scales = wants(needs, 2) and not use_sizes and mode != "nearest"
     want_roi = wants(needs, 1) and crop and mode != "nearest"
     antialias = bool(attr(n, "antialias", 0)) and mode != "nearest" and e.opset >= 18
-    out_dims = Dims(e, n.outputs[0])
+    resized = _ResizeAxes(e, n, d, axes, hd=hd, use_sizes=use_sizes, given_c=given_c, policy=policy, plan=plan,
+                          ctm=ctm, antialias=antialias)
 
-    geometries = {}
-
-    def geometry(i, k):
-        """(x_j, dx_j/d{s, start, end}, extrapolated rows, scale s, stretch) of axis k."""
-        if i in geometries:
-            return geometries[i]
-        length = d[k]
-        if policy != "stretch":
-            if "policy" not in geometries:
-                geometries["policy"] = _policy_scale(e, d, axes, as_int64(e, sizes), policy, hd)
-            s = geometries["policy"]
-        elif use_sizes:
-            size = int(given_c[i]) if given_c is not None else e.Gather(as_int64(e, sizes), e.ints([i]))
-            s = e.Div(_real(e, size, hd), _real(e, length, hd))
-        else:
-            s = _real(e, float(given_c[i]) if given_c is not None else e.Gather(scales, e.ints([i])), hd)
-        roi_k = None
-        if crop:
-            c = constant_of(roi)
-            roi_k = tuple(_real(e, float(c[j]), hd) if c is not None else cast_to(e, e.Gather(roi, e.ints([j])), hd)
-                          for j in (i, len(axes) + i))
-        stretch = e.Min(s, _real(e, 1.0, hd)) if antialias else None
-        geometries[i] = (*_source_coordinates(e, ctm, out_dims[k], length, s, roi_k, hd), s, stretch)
-        return geometries[i]
-
-    matrices = []  # (axis, M_k or None for an identity)
-    def from_formulas(i, k):
-        x_ori, _, extrapolated, _, stretch = geometry(i, k)
-        idx, w, _, _ = _taps(e, n, x_ori, d[k], hd, stretch)
-        return _explicit_matrix(e, idx, w, extrapolated, d[k], hd)
-
-    for i, k in enumerate(axes):
-        length = d[k]
-        if explicit:
-            matrices.append((k, from_formulas(i, k)))
-            continue
-        roi_k, whole = _axis_roi(e, roi, i, len(axes)) if crop else (None, True)
-        if plan is not None:
-            kind, value = plan[i]
-        elif use_sizes:
-            kind, value = "size", int(given_c[i]) if given_c is not None else e.Gather(as_int64(e, sizes), e.ints([i]))
-        else:
-            kind, value = "scale", float(given_c[i]) if given_c is not None else e.Gather(scales, e.ints([i]))
-        if whole and (kind == "scale" and isinstance(value, float) and value == 1.0
-                      or kind == "size" and isinstance(value, int) and isinstance(length, int) and value == length):
-            matrices.append((k, None))
-            continue
-        if kind == "scale" and isinstance(length, int) and out_dims[k] == length:
-            # a scale != 1 that keeps the length: onnxruntime returns X unchanged from a
-            # Resize whose output shape is X's, so the helper on a length x length identity
-            # would give one, where the node resamples: from the formulas
-            matrices.append((k, from_formulas(i, k)))
-            continue
-        matrices.append((k, _interpolation_matrix(e, n, hd, length, roi=roi_k, **{kind: value})))
-
-    g, back = dy, []  # back[i]: dy through the axes before axes[i]
-    for k, mk in matrices:
-        back.append(g)
-        if mk is not None:
-            g = _contract(e, g, mk if x.dtype == hd else e.CastLike(mk, dy), k, rank)
-    grads = [g, None, None, None]
+    matrices = [(k, resized.matrix(i)) for i, k in enumerate(axes)]  # (axis, M_k or None for an identity)
+    dx, back = _through_matrices(e, dy, matrices, rank, None if x.dtype == hd else dy)  # back[i]: dy before axes[i]
+    grads = [dx, None, None, None]
 
     if want_scales or want_roi:
-        f, fwd = cast_to(e, x, hd), [None] * len(axes)  # fwd[i]: X through the axes after axes[i]
-        for i in reversed(range(len(axes))):
-            k, mk = matrices[i]
-            fwd[i] = f
-            if mk is not None:
-                f = _contract(e, f, e.Transpose(mk, perm=[1, 0]), k, rank)
-        def total(v):
-            return e.Reshape(e.reduce("ReduceSum", v, None, keepdims=False), [1])
-
+        fwd = _resized_after(e, cast_to(e, x, hd), matrices, rank)  # fwd[i]: X through the axes after axes[i]
         ds, dstart, dend = [], [], []
-        for i, k in enumerate(axes):
-            x_ori, dx, extrapolated, s, stretch = geometry(i, k)
-            idx, _, dw_dx, dw_dt = _taps(e, n, x_ori, d[k], hd, stretch)
-            dm = _outer(e, cast_to(e, back[i], hd), fwd[i], k, rank)  # dL/dM_k [out, in]
-            if extrapolated is not None:
-                dm = e.Where(e.Unsqueeze(extrapolated, [1]), e.scalar(0.0, like=dm), dm)
-            at_taps = e.GatherElements(dm, idx, axis=1)  # [out, T]
-            dl_dx = e.reduce("ReduceSum", e.Mul(at_taps, dw_dx), [1], keepdims=False)  # [out]
-            if want_scales:
-                g_s = total(e.Mul(dl_dx, dx["s"]))
-                if stretch is not None:  # dt/ds = 1 where s < 1
-                    below = e.Cast(e.Less(s, _real(e, 1.0, hd)), to=int(hd))
-                    g_s = e.Add(g_s, e.Mul(total(e.Mul(at_taps, dw_dt)), e.Reshape(below, [1])))
-                ds.append(g_s)
-            if want_roi:
-                dstart.append(total(e.Mul(dl_dx, dx["start"])))
-                dend.append(total(e.Mul(dl_dx, dx["end"])))
+        for i in range(len(axes)):
+            g_s, g_start, g_end = _position_grads(e, resized, i, back[i], fwd[i], rank, want_scales=want_scales,
+                                                  want_roi=want_roi)
+            ds.append(g_s)
+            dstart.append(g_start)
+            dend.append(g_end)
         if want_scales:
             grads[2] = cast_to(e, e.Concat(*ds, axis=0), scales.dtype)
         if want_roi:

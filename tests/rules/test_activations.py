@@ -244,40 +244,6 @@ def test_dropout_float64(rng):
              wrt=["x"], num_outputs=2, ort=False)
 
 
-# ----------------------------------------------------------------------------- CumSum and Trilu
-
-
-@pytest.mark.parametrize("opset", [13, 18])
-@pytest.mark.parametrize("exclusive", [0, 1])
-@pytest.mark.parametrize("reverse", [0, 1])
-@pytest.mark.parametrize("axis", [0, -1, np.int32(1)])
-def test_cumsum(axis, exclusive, reverse, opset, rng):
-    axis_arr = np.array(axis, dtype=np.int32 if isinstance(axis, np.int32) else np.int64)
-    check_op("CumSum", [("x", data(rng, (3, 4))), ("axis", axis_arr)],
-             {"exclusive": exclusive, "reverse": reverse}, opset=opset)
-
-
-def test_cumsum_dynamic_shape_and_float64(rng):
-    check_op("CumSum", [("x", data(rng, (2, 3, 4))), ("axis", np.array(1))], {"reverse": 1}, opset=18,
-             weights_as="inputs", dims="dynamic")
-    check_op("CumSum", [("x", data(rng, (3, 4), dtype=np.float64)), ("axis", np.array(0))], {"exclusive": 1},
-             opset=13, ort_rtol=1e-9, ort_atol=1e-10)
-
-
-@pytest.mark.parametrize("opset", [14, 18])
-@pytest.mark.parametrize("upper", [None, 0, 1])
-@pytest.mark.parametrize("k", [None, -1, 0, 2])
-def test_trilu(k, upper, opset, rng):
-    attrs = {} if upper is None else {"upper": upper}
-    ins = [("x", data(rng, (2, 3, 4)))] + ([] if k is None else [("k", np.array(k))])
-    check_op("Trilu", ins, attrs, opset=opset)
-
-
-def test_trilu_dynamic_shape(rng):
-    check_op("Trilu", [("x", data(rng, (4, 3))), ("k", np.array(1))], {"upper": 0}, opset=18,
-             weights_as="inputs", dims="dynamic")
-
-
 # ----------------------------------------------------------------------------- helpers
 
 

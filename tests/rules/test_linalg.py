@@ -229,3 +229,24 @@ def test_transposed_weight_times_vector_on_default_optimizations(w_shape, perm, 
     p = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "p"))
     built = GradientGraphBuilder(model, ["A", "B"], ["loss"], "loss").build().get_model()
     np.testing.assert_allclose(run_onnxruntime(built, feeds)["loss"], np.sum((wt @ k).reshape(-1) * p), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- Trilu
+
+
+def uniform(rng, *shape):
+    return rng.uniform(-3.0, 3.0, shape).astype(f32)
+
+
+@pytest.mark.parametrize("opset", [14, 18])
+@pytest.mark.parametrize("upper", [None, 0, 1])
+@pytest.mark.parametrize("k", [None, -1, 0, 2])
+def test_trilu(k, upper, opset, rng):
+    attrs = {} if upper is None else {"upper": upper}
+    ins = [("x", uniform(rng, 2, 3, 4))] + ([] if k is None else [("k", np.array(k))])
+    check_op("Trilu", ins, attrs, opset=opset)
+
+
+def test_trilu_dynamic_shape(rng):
+    check_op("Trilu", [("x", uniform(rng, 4, 3)), ("k", np.array(1))], {"upper": 0}, opset=18,
+             weights_as="inputs", dims="dynamic")
