@@ -10,18 +10,18 @@ Rule modules (the op types each registers):
 * ``activations``: Tanh Sigmoid Erf Softplus Softsign Gelu Relu LeakyRelu Elu Selu HardSigmoid
   HardSwish Clip Dropout
 * ``math``: Sin Cos Tan Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Celu Mish ThresholdedRelu
-  Shrink PRelu Swish Mod, the piecewise constant Floor Ceil Round Sign Hardmax, Range Det
+  Shrink PRelu Swish Mod, the piecewise constant Floor Ceil Round Sign Hardmax, Range
 * ``cumulative``: CumSum CumProd
 * ``reduce``: the Reduce* family
 * ``softmax``: Softmax LogSoftmax
 * ``losses``: NegativeLogLikelihoodLoss SoftmaxCrossEntropyLoss
-* ``linalg``: MatMul Gemm Einsum Trilu
+* ``linalg``: MatMul Gemm Einsum Trilu Det
 * ``shape``: Reshape Flatten Transpose Squeeze Unsqueeze Expand Concat Split Tile Pad
   ReverseSequence
 * ``indexing``: Slice Gather GatherND GatherElements
 * ``scatter``: ScatterElements ScatterND TensorScatter
 * ``selection``: TopK Compress OneHot Unique
-* ``conv``: Conv ConvTranspose DeformConv
+* ``conv``: Conv ConvTranspose DeformConv CausalConvWithState
 * ``pooling``: AveragePool MaxPool GlobalAveragePool GlobalMaxPool MaxUnpool LpPool GlobalLpPool
 * ``roi``: RoiAlign MaxRoiPool
 * ``spatial``: Resize GridSample AffineGrid DepthToSpace SpaceToDepth Col2Im CenterCropPad
@@ -30,7 +30,6 @@ Rule modules (the op types each registers):
 * ``misc_norm``: LpNormalization MeanVarianceNormalization LRN RMSNormalization
 * ``attention``: Attention RotaryEmbedding, FlexAttention (ai.onnx.preview)
 * ``recurrent``: RNN GRU LSTM
-* ``sequence_ops``: CausalConvWithState
 * ``signal``: DFT STFT
 * ``quantize``: DequantizeLinear
 * ``control_flow``: If Loop Scan

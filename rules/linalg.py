@@ -1,8 +1,9 @@
-"""Linear algebra: MatMul, Gemm, Einsum, Trilu.
+"""Linear algebra: MatMul, Gemm, Einsum, Trilu, Det.
 
 Every gradient is again a product of ``dy`` with the other operands; axes that broadcasting
 added are summed away (``e.unbroadcast``) and axes that were summed out of one operand only
 are broadcast back (``Expand``). Trilu, a 0/1 mask on the last two axes, is its own adjoint.
+Det's gradient is the cofactor matrix, computed with Det itself on the minors.
 """
 
 from __future__ import annotations
@@ -359,3 +360,36 @@ def trilu(n, dys, needs, e):
     k = optional_input(n, 1)
     extra = [k] if k is not None else []
     return (e.Trilu(dys[0], *extra, upper=attr(n, "upper", 1)),)
+
+
+# ----------------------------------------------------------------------------- Det
+
+
+@register("Det")
+def det(n, dys, needs, e):
+    """y = det(X) over the last two axes (n x n):  dX = dy * cof(X), the cofactor matrix
+    (= det(X) inv(X)^T where X is invertible, and exact where it is singular).
+
+    ONNX has no inverse; the cofactors are determinants of the n^2 minors, gathered with two
+    static Gathers and computed by Det itself: cof[i, j] = (-1)^(i+j) det(X without row i and
+    column j). That is O(n^4) memory per matrix, for static n (any batch shape). (An unrolled
+    Gauss-Jordan inverse would need pivoting and fails where X is singular; cofactors need
+    neither.)"""
+    (x,) = n.inputs
+    (dy,) = dys
+    d = dims_of(x)
+    if d is None or len(d) < 2 or not isinstance(d[-1], int) or not isinstance(d[-2], int):
+        raise GradientRuleError("Det: the gradient needs the matrix size (the last two dims) to be static")
+    size, r = d[-1], len(d)
+    if size == 1:
+        return (e.expand_like(e.Unsqueeze(dy, [r - 2, r - 1]), x),)
+    others = np.array([[k for k in range(size) if k != i] for i in range(size)], dtype=np.int64)
+    rows = e.Gather(x, e.const(others), axis=r - 2)  # (..., n_i, n-1, n)
+    minors = e.Gather(rows, e.const(others), axis=r)  # (..., n_i, n-1, n_j, n-1)
+    batch = list(range(r - 2))
+    minors = e.Transpose(minors, perm=batch + [r - 2, r, r - 1, r + 1])  # (..., n_i, n_j, n-1, n-1)
+    signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)])
+    signs = e.const(signs, dtype=x.dtype) if x.dtype is not None else e.CastLike(e.const(signs), x)
+    cof = e.Mul(e.Det(minors), signs)
+    return (e.Mul(e.Unsqueeze(dy, [r - 2, r - 1]), cof),)
+

@@ -1,6 +1,6 @@
 """Elementwise math and activations not covered elsewhere: the trigonometric and hyperbolic
 functions and their inverses, Celu Mish ThresholdedRelu Shrink PRelu Swish Mod, the piecewise
-constant ops Floor Ceil Round Sign Hardmax, Range and Det.
+constant ops Floor Ceil Round Sign Hardmax, and Range.
 
 Each elementwise rule is ``dx = dy * f'(x)``. Masks pick the branch of piecewise ops; at a
 kink the gradient follows the branch the spec's strict comparison selects.
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
-from gradbuilder.compiler.values import attr, dims_of
+from gradbuilder.compiler.values import attr
 from gradbuilder.rules.helpers import keep, zero_gradients
 
 # ----------------------------------------------------------------------------- helpers
@@ -201,36 +200,3 @@ def range_(n, dys, needs, e):
         steps = e.Range(e.const(np.array(0, np.int64)), e.Size(dy), e.const(np.array(1, np.int64)))
         ddelta = e.reduce("ReduceSum", e.Mul(dy, e.CastLike(steps, dy)), None, keepdims=False)
     return dstart, e.zeros_like(limit) if needs[1] else None, ddelta
-
-
-# ----------------------------------------------------------------------------- Det
-
-
-@register("Det")
-def det(n, dys, needs, e):
-    """y = det(X) over the last two axes (n x n):  dX = dy * cof(X), the cofactor matrix
-    (= det(X) inv(X)^T where X is invertible, and exact where it is singular).
-
-    ONNX has no inverse; the cofactors are determinants of the n^2 minors, gathered with two
-    static Gathers and computed by Det itself: cof[i, j] = (-1)^(i+j) det(X without row i and
-    column j). That is O(n^4) memory per matrix, for static n (any batch shape). (An unrolled
-    Gauss-Jordan inverse would need pivoting and fails where X is singular; cofactors need
-    neither.)"""
-    (x,) = n.inputs
-    (dy,) = dys
-    d = dims_of(x)
-    if d is None or len(d) < 2 or not isinstance(d[-1], int) or not isinstance(d[-2], int):
-        raise GradientRuleError("Det: the gradient needs the matrix size (the last two dims) to be static")
-    size, r = d[-1], len(d)
-    if size == 1:
-        return (e.expand_like(e.Unsqueeze(dy, [r - 2, r - 1]), x),)
-    others = np.array([[k for k in range(size) if k != i] for i in range(size)], dtype=np.int64)
-    rows = e.Gather(x, e.const(others), axis=r - 2)  # (..., n_i, n-1, n)
-    minors = e.Gather(rows, e.const(others), axis=r)  # (..., n_i, n-1, n_j, n-1)
-    batch = list(range(r - 2))
-    minors = e.Transpose(minors, perm=batch + [r - 2, r, r - 1, r + 1])  # (..., n_i, n_j, n-1, n-1)
-    signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)])
-    signs = e.const(signs, dtype=x.dtype) if x.dtype is not None else e.CastLike(e.const(signs), x)
-    cof = e.Mul(e.Det(minors), signs)
-    return (e.Mul(e.Unsqueeze(dy, [r - 2, r - 1]), cof),)
-

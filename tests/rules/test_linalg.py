@@ -1,10 +1,11 @@
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.errors import GradientRuleError
-from gradbuilder.testing import check_model, check_op, run_onnxruntime
+from gradbuilder.testing import check_model, check_op, gradcheck, make_op_model, ort_run, run_onnxruntime
 
 from ..helpers import make_model, tensor, vi
 
@@ -250,3 +251,59 @@ def test_trilu(k, upper, opset, rng):
 def test_trilu_dynamic_shape(rng):
     check_op("Trilu", [("x", uniform(rng, 4, 3)), ("k", np.array(1))], {"upper": 0}, opset=18,
              weights_as="inputs", dims="dynamic")
+
+
+# ----------------------------------------------------------------------------- Det
+
+
+def well_conditioned(rng, *shape, dtype=f32):
+    size = shape[-1]
+    return (rng.uniform(-1, 1, shape) + 2 * np.eye(size)).astype(dtype)
+
+
+# opsets 13 and 18, one in float32 (also run on onnxruntime), one in float64 (gradchecked on the
+# reference evaluator alone: onnxruntime's CPU provider runs Det in float32 only)
+DET_FORMS = [(13, f32), (18, np.float64)]
+DET_FORM_IDS = ["13-f32", "18-f64"]
+DET_SHAPES = [(1, 1), (2, 2), (3, 3), (4, 4), (2, 3, 3), (2, 1, 2, 2), (3, 1, 1)]
+
+
+@pytest.mark.parametrize("opset,dtype", DET_FORMS, ids=DET_FORM_IDS)
+@pytest.mark.parametrize("shape", DET_SHAPES, ids=[str(s) for s in DET_SHAPES])
+def test_det(shape, opset, dtype, rng):
+    check_op("Det", [("x", well_conditioned(rng, *shape, dtype=dtype))], opset=opset, ort=dtype != np.float64)
+
+
+def test_det_singular(rng):
+    # rank 2 of 3: det = 0, but its gradient (the cofactors) is not
+    x = rng.uniform(-1, 1, (3, 3))
+    x[2] = x[0] + 2 * x[1]
+    report = check_op("Det", [("x", x.astype(np.float64))], atol=1e-5, ort=False)  # float64: see DET_FORMS
+    expected = np.array([[(-1) ** (i + j) * np.linalg.det(np.delete(np.delete(x, i, 0), j, 1))
+                          for j in range(3)] for i in range(3)])
+    proj = np.random.default_rng(1234).standard_normal(())  # make_op_model's projection
+    np.testing.assert_allclose(report.gradients["x"], proj * expected, rtol=1e-6, atol=1e-9)
+    assert np.abs(expected).max() > 1e-3
+
+
+def test_det_symbolic_batch(rng):
+    model, weights, feeds = make_op_model("Det", [("x", well_conditioned(rng, 2, 3, 3, 3))], weights_as="inputs")
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].dim_param, dims[1].dim_param = "B", "C"
+    report = gradcheck(model, weights, "loss", feeds)
+    assert report.passed, str(report)
+    got = ort_run(GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto, feeds)
+    np.testing.assert_allclose(got["x_grad"], report.gradients["x"], rtol=2e-3, atol=2e-3)
+
+
+def test_det_dynamic_matrix_size_is_refused(rng):
+    model, weights, _ = make_op_model("Det", [("x", well_conditioned(rng, 2, 3, 3))],
+                                      weights_as="inputs", dims="dynamic")
+    with pytest.raises(GradientRuleError, match="static"):
+        GradientGraphBuilder(model, weights, ["loss"], "loss").build()
+
+
+def test_det_model_checks(rng):
+    model, weights, _ = make_op_model("Det", [("x", well_conditioned(rng, 2, 3, 3))], opset=13)
+    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
+    onnx.checker.check_model(built, full_check=True)

@@ -1,9 +1,7 @@
 import numpy as np
-import onnx
 import pytest
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.errors import GradientRuleError
 from gradbuilder.testing import check_op, gradcheck, make_op_model, ort_run, reference_evaluator
 
 
@@ -25,7 +23,7 @@ def away(rng, *shape, points=(0.0,), gap=0.2, lo=-2.0, hi=2.0, dtype=f32):
 
 # ops whose forward onnxruntime's CPU provider runs in float32 only (at these opsets): their
 # float64 cases are gradchecked on the reference evaluator alone
-NO_ORT_F64 = {"Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Hardmax", "Det", "PRelu"}
+NO_ORT_F64 = {"Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Hardmax", "PRelu"}
 
 
 def on_ort(op, opset, dtype):
@@ -275,55 +273,3 @@ def test_range_float16():
     for w, g in zip(weights, got):
         assert g.dtype == np.float16
         np.testing.assert_allclose(g.astype(f64), report.gradients[w], rtol=1e-2, atol=1e-2)
-
-
-# ----------------------------------------------------------------------------- Det
-
-
-def well_conditioned(rng, *shape, dtype=f32):
-    size = shape[-1]
-    return (rng.uniform(-1, 1, shape) + 2 * np.eye(size)).astype(dtype)
-
-
-DET_SHAPES = [(1, 1), (2, 2), (3, 3), (4, 4), (2, 3, 3), (2, 1, 2, 2), (3, 1, 1)]
-
-
-@pytest.mark.parametrize("opset,dtype", FORMS, ids=FORM_IDS)
-@pytest.mark.parametrize("shape", DET_SHAPES, ids=[str(s) for s in DET_SHAPES])
-def test_det(shape, opset, dtype, rng):
-    check_op("Det", [("x", well_conditioned(rng, *shape, dtype=dtype))], opset=opset, ort=on_ort("Det", opset, dtype))
-
-
-def test_det_singular(rng):
-    # rank 2 of 3: det = 0, but its gradient (the cofactors) is not
-    x = rng.uniform(-1, 1, (3, 3))
-    x[2] = x[0] + 2 * x[1]
-    report = check_op("Det", [("x", x.astype(f64))], atol=1e-5, ort=False)  # float64: see NO_ORT_F64
-    expected = np.array([[(-1) ** (i + j) * np.linalg.det(np.delete(np.delete(x, i, 0), j, 1))
-                          for j in range(3)] for i in range(3)])
-    proj = np.random.default_rng(1234).standard_normal(())  # make_op_model's projection
-    np.testing.assert_allclose(report.gradients["x"], proj * expected, rtol=1e-6, atol=1e-9)
-    assert np.abs(expected).max() > 1e-3
-
-
-def test_det_symbolic_batch(rng):
-    model, weights, feeds = make_op_model("Det", [("x", well_conditioned(rng, 2, 3, 3, 3))], weights_as="inputs")
-    dims = model.graph.input[0].type.tensor_type.shape.dim
-    dims[0].dim_param, dims[1].dim_param = "B", "C"
-    report = gradcheck(model, weights, "loss", feeds)
-    assert report.passed, str(report)
-    got = ort_run(GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto, feeds)
-    np.testing.assert_allclose(got["x_grad"], report.gradients["x"], rtol=2e-3, atol=2e-3)
-
-
-def test_det_dynamic_matrix_size_is_refused(rng):
-    model, weights, _ = make_op_model("Det", [("x", well_conditioned(rng, 2, 3, 3))],
-                                      weights_as="inputs", dims="dynamic")
-    with pytest.raises(GradientRuleError, match="static"):
-        GradientGraphBuilder(model, weights, ["loss"], "loss").build()
-
-
-def test_det_model_checks(rng):
-    model, weights, _ = make_op_model("Det", [("x", well_conditioned(rng, 2, 3, 3))], opset=13)
-    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
-    onnx.checker.check_model(built, full_check=True)

@@ -14,7 +14,7 @@ FORM_IDS = ["13-f32", "18-f64"]
 
 # ops whose forward onnxruntime's CPU provider runs in float32 only: their float64 cases are
 # gradchecked on the reference evaluator alone
-NO_ORT_F64 = {"LRN", "GlobalLpPool", "LpPool"}
+NO_ORT_F64 = {"LRN"}
 
 
 def on_ort(op, dtype):
@@ -54,10 +54,11 @@ def assert_forward_agrees(op, x, attrs, opset):
 
 @pytest.fixture(autouse=True)
 def fixed_reference(monkeypatch):
-    """onnx's reference evaluator is wrong or missing for three ops here:
+    """onnx's reference evaluator is wrong for two ops here:
     LRN sums the channel window for c < N (the batch size) only; LpNormalization takes sum(x^p)
-    without |x| (wrong for p = 1 with negatives); GlobalLpPool has no implementation.
-    Each replacement is checked against onnxruntime's forward in the tests."""
+    without |x| (wrong for p = 1 with negatives). Each replacement is checked against
+    onnxruntime's forward in the tests. (GlobalLpPool's, which the reference lacks, is in
+    test_pooling.py.)"""
     from onnx.reference.op_run import OpRun
 
     class LRN(OpRun):  # new_ops are matched by class name
@@ -69,22 +70,14 @@ def fixed_reference(monkeypatch):
             square_sum = np.stack([sq[:, max(0, k - lo):min(c, k + hi + 1)].sum(axis=1) for k in range(c)], axis=1)
             return ((x / (bias + alpha / size * square_sum) ** beta).astype(x.dtype),)
 
-    class GlobalLpPool(OpRun):
-        op_domain = ""
-
-        def _run(self, x, p=None):
-            axes = tuple(range(2, x.ndim))
-            return (np.power(np.power(np.abs(x), p).sum(axis=axes, keepdims=True), 1.0 / p).astype(x.dtype),)
-
     # LpNormalization: gradbuilder.testing's fix (|x|**p), here for the stock evaluator too
-    patch_reference_evaluator(monkeypatch, LRN, reference_fix("LpNormalization"), GlobalLpPool)
+    patch_reference_evaluator(monkeypatch, LRN, reference_fix("LpNormalization"))
 
 
 def ort_gradcheck(op, x, attrs, opset, dims="static", seed=0, t=1e-2, directions=4):
     """Directional finite differences of the loss on onnxruntime itself (float32), where the
     float64 gradcheck cannot run: MeanVarianceNormalization (its function body adds a float32
-    epsilon, so a float64 model does not type-check) and LpPool with ceil_mode (onnx's reference
-    computes another forward). Steps of 1e-2 on these smooth functions are exact to ~1e-4."""
+    epsilon, so a float64 model does not type-check). Steps of 1e-2 on these smooth functions are exact to ~1e-4."""
     rng = np.random.default_rng(seed)
     model, weights, feeds = make_op_model(op, [("x", x)], attrs, opset=opset, weights_as="inputs", dims=dims)
     built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
@@ -267,103 +260,3 @@ def test_rms_normalization_float16_stash(rng):
     for name in ("x_grad", "scale_grad"):
         assert g16[name].dtype == np.float16
         np.testing.assert_allclose(g16[name].astype(f32), g32[name], rtol=2e-2, atol=2e-2)
-
-
-# ----------------------------------------------------------------------------- GlobalLpPool
-
-SPATIAL = [(2, 3, 5), (2, 3, 3, 4), (1, 2, 2, 3, 2)]
-
-
-@pytest.mark.parametrize("opset,dtype", FORMS, ids=FORM_IDS)
-@pytest.mark.parametrize("p", [None, 1, 3])
-@pytest.mark.parametrize("shape", SPATIAL, ids=["1d", "2d", "3d"])
-def test_global_lp_pool(shape, p, opset, dtype, rng):
-    attrs = {} if p is None else {"p": p}
-    x = signed(rng, *shape, dtype=dtype)
-    assert_forward_agrees("GlobalLpPool", x, attrs, opset)
-    check_op("GlobalLpPool", [("x", x)], attrs, opset=opset, ort=on_ort("GlobalLpPool", dtype))
-
-
-@pytest.mark.parametrize("p", [1, 2, 3])
-def test_global_lp_pool_dynamic(p, rng):
-    check_op("GlobalLpPool", [("x", signed(rng, 2, 3, 3, 4))], {"p": p}, weights_as="inputs", dims="dynamic")
-
-
-# ----------------------------------------------------------------------------- LpPool
-
-X2 = (1, 2, 5, 6)
-# p: 2 (the default, absent), 1 or 3, spread over the window configurations
-LPPOOL = [
-    ("k2", X2, {"kernel_shape": [2, 2]}),
-    ("k3s2p1-p1", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "p": 1}),
-    ("k3s2p1-p3", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "p": 3}),
-    ("k2s1p-asym-p3", X2, {"kernel_shape": [2, 3], "pads": [1, 0, 0, 1], "p": 3}),
-    ("same-upper", X2, {"kernel_shape": [2, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
-    ("same-lower-p1", X2, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER", "p": 1}),
-    ("valid-p3", X2, {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "VALID", "p": 3}),
-    ("1d", (2, 3, 7), {"kernel_shape": [3], "strides": [2], "pads": [1, 1]}),
-    ("1d-p1", (2, 3, 7), {"kernel_shape": [2], "strides": [1], "pads": [0, 1], "p": 1}),
-    ("3d-p3", (1, 2, 4, 3, 3), {"kernel_shape": [2, 2, 2], "strides": [2, 1, 1], "pads": [0, 1, 0, 0, 0, 1], "p": 3}),
-]
-
-
-@pytest.mark.parametrize("opset,dtype", FORMS, ids=FORM_IDS)
-@pytest.mark.parametrize("case", LPPOOL, ids=[c[0] for c in LPPOOL])
-def test_lp_pool(case, opset, dtype, rng):
-    _, shape, attrs = case
-    x = signed(rng, *shape, dtype=dtype)
-    assert_forward_agrees("LpPool", x, attrs, opset)
-    check_op("LpPool", [("x", x)], attrs, opset=opset, ort=on_ort("LpPool", dtype))
-
-
-LPPOOL_18 = [
-    ("dilations", X2, {"kernel_shape": [2, 2], "dilations": [2, 2]}),
-    ("dilations-strides-pads", X2, {"kernel_shape": [2, 3], "strides": [1, 2], "dilations": [2, 1],
-                                    "pads": [1, 0, 0, 1]}),
-]
-
-
-@pytest.mark.parametrize("p,dtype", [(2, f32), (3, f64)], ids=["p2-f32", "p3-f64"])
-@pytest.mark.parametrize("case", LPPOOL_18, ids=[c[0] for c in LPPOOL_18])
-def test_lp_pool_dilations(case, p, dtype, rng):
-    _, shape, attrs = case
-    x = signed(rng, *shape, dtype=dtype)
-    assert_forward_agrees("LpPool", x, {**attrs, "p": p}, 18)
-    check_op("LpPool", [("x", x)], {**attrs, "p": p}, opset=18, ort=on_ort("LpPool", dtype))
-
-
-@pytest.mark.parametrize("p", [1, 2, 3])
-@pytest.mark.parametrize("attrs", [
-    {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1},
-    {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1},
-    {"kernel_shape": [3, 3], "strides": [3, 3], "ceil_mode": 1},
-], ids=["k2s2", "k3s2-pads", "overhang-2"])
-def test_lp_pool_ceil_mode(attrs, p, rng):
-    # onnx's reference divides the ceil_mode overhang windows wrongly (it scales an average);
-    # finite differences on onnxruntime instead
-    ort_gradcheck("LpPool", signed(rng, 2, 3, 7, 7), {**attrs, "p": p}, 18)
-
-
-@pytest.mark.parametrize("attrs,p", [
-    ({"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1]}, 2),
-    ({"kernel_shape": [2, 3], "strides": [2, 2], "auto_pad": "SAME_LOWER"}, 3),
-], ids=["pads-p2", "same-lower-p3"])
-def test_lp_pool_dynamic(attrs, p, rng):
-    check_op("LpPool", [("x", signed(rng, *X2))], {**attrs, "p": p}, opset=18, weights_as="inputs", dims="dynamic")
-
-
-def test_lp_pool_dynamic_ceil_mode(rng):
-    ort_gradcheck("LpPool", signed(rng, 2, 3, 7, 7),
-                  {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1, "p": 1}, 18,
-                  dims="dynamic")
-
-
-def test_lp_pool_zero_window_has_zero_gradient(rng):
-    from onnx.reference import ReferenceEvaluator
-
-    x = signed(rng, 1, 1, 4, 4)
-    x[0, 0, :2, :2] = 0  # the first 2x2 window is all zeros: y = 0 there
-    model, weights, _ = make_op_model("LpPool", [("x", x)], {"kernel_shape": [2, 2], "strides": [2, 2]})
-    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
-    for got in (ReferenceEvaluator(built).run(None, {})[1], ort_run(built, {})["x_grad"]):
-        assert np.all(np.isfinite(got)) and np.all(got[0, 0, :2, :2] == 0)

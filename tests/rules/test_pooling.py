@@ -434,3 +434,175 @@ def test_max_unpool_dynamic(opset, rng):
              dims="dynamic")
     check_graph_ints("MaxUnpool", [("x", x), ("i", idx), ("shape", np.array([2, 2, 6, 7]))], unpool_attrs(attrs),
                      graph_ints=["i", "shape"], opset=opset, weights_as="inputs", dims="dynamic")
+
+
+# ----------------------------------------------------------------------------- LpPool, GlobalLpPool helpers
+
+f64 = np.float64
+
+# each op at opsets 13 and 18, one in float32 (also run on onnxruntime), one in float64; the Lp
+# pools' forward onnxruntime's CPU provider runs in float32 only: their float64 cases are
+# gradchecked on the reference evaluator alone
+LP_FORMS = [(13, f32), (18, f64)]
+LP_FORM_IDS = ["13-f32", "18-f64"]
+
+
+def lp_on_ort(op, dtype):
+    return dtype != f64
+
+
+def signed(rng, *shape, lo=0.5, hi=2.0, dtype=f32):
+    """|values| in [lo, hi], random signs: away from the kinks of |x| at 0."""
+    return (rng.uniform(lo, hi, shape) * rng.choice([-1.0, 1.0], shape)).astype(dtype)
+
+
+def assert_lp_forward_agrees(op, x, attrs, opset):
+    """onnx's reference (with GlobalLpPool's below) and onnxruntime compute the same forward."""
+    from onnx import reference  # looked up at call time: the fixture patches it
+
+    model = single_node(op, x.astype(f32), attrs, opset)
+    ref = reference.ReferenceEvaluator(model).run(None, {})[0]
+    got = ort_run(model, {})["y"]
+    assert ref.shape == got.shape and np.allclose(ref, got, rtol=1e-4, atol=1e-5), (op, attrs)
+
+
+@pytest.fixture
+def fixed_global_lp_pool(monkeypatch):
+    """onnx's reference evaluator has no GlobalLpPool; this one is checked against onnxruntime's
+    forward in the tests."""
+    from onnx.reference.op_run import OpRun
+
+    class GlobalLpPool(OpRun):  # new_ops are matched by class name
+        op_domain = ""
+
+        def _run(self, x, p=None):
+            axes = tuple(range(2, x.ndim))
+            return (np.power(np.power(np.abs(x), p).sum(axis=axes, keepdims=True), 1.0 / p).astype(x.dtype),)
+
+    patch_reference_evaluator(monkeypatch, GlobalLpPool)
+
+
+def lp_ort_gradcheck(op, x, attrs, opset, dims="static", seed=0, t=1e-2, directions=4):
+    """Directional finite differences of the loss on onnxruntime itself (float32), where the
+    float64 gradcheck cannot run: LpPool with ceil_mode (onnx's reference computes another
+    forward). Steps of 1e-2 on these smooth functions are exact to ~1e-4."""
+    rng = np.random.default_rng(seed)
+    model, weights, feeds = make_op_model(op, [("x", x)], attrs, opset=opset, weights_as="inputs", dims=dims)
+    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
+    grad = ort_run(built, feeds)["x_grad"].astype(f64)
+
+    def loss(v):
+        return float(ort_run(model, {"x": v.astype(f32)})["loss"])
+
+    for _ in range(directions):
+        d = rng.uniform(-1, 1, x.shape)
+        num = (loss(x + t * d) - loss(x - t * d)) / (2 * t)
+        assert abs(num - np.sum(grad * d)) <= 2e-3 * max(1.0, abs(num)), (op, attrs, num, np.sum(grad * d))
+
+
+# ----------------------------------------------------------------------------- GlobalLpPool
+
+SPATIAL = [(2, 3, 5), (2, 3, 3, 4), (1, 2, 2, 3, 2)]
+
+
+@pytest.mark.parametrize("opset,dtype", LP_FORMS, ids=LP_FORM_IDS)
+@pytest.mark.parametrize("p", [None, 1, 3])
+@pytest.mark.parametrize("shape", SPATIAL, ids=["1d", "2d", "3d"])
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_global_lp_pool(shape, p, opset, dtype, rng):
+    attrs = {} if p is None else {"p": p}
+    x = signed(rng, *shape, dtype=dtype)
+    assert_lp_forward_agrees("GlobalLpPool", x, attrs, opset)
+    check_op("GlobalLpPool", [("x", x)], attrs, opset=opset, ort=lp_on_ort("GlobalLpPool", dtype))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_global_lp_pool_dynamic(p, rng):
+    check_op("GlobalLpPool", [("x", signed(rng, 2, 3, 3, 4))], {"p": p}, weights_as="inputs", dims="dynamic")
+
+
+# ----------------------------------------------------------------------------- LpPool
+
+LP_X2 = (1, 2, 5, 6)
+# p: 2 (the default, absent), 1 or 3, spread over the window configurations
+LPPOOL = [
+    ("k2", LP_X2, {"kernel_shape": [2, 2]}),
+    ("k3s2p1-p1", LP_X2, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "p": 1}),
+    ("k3s2p1-p3", LP_X2, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "p": 3}),
+    ("k2s1p-asym-p3", LP_X2, {"kernel_shape": [2, 3], "pads": [1, 0, 0, 1], "p": 3}),
+    ("same-upper", LP_X2, {"kernel_shape": [2, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ("same-lower-p1", LP_X2, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER", "p": 1}),
+    ("valid-p3", LP_X2, {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "VALID", "p": 3}),
+    ("1d", (2, 3, 7), {"kernel_shape": [3], "strides": [2], "pads": [1, 1]}),
+    ("1d-p1", (2, 3, 7), {"kernel_shape": [2], "strides": [1], "pads": [0, 1], "p": 1}),
+    ("3d-p3", (1, 2, 4, 3, 3), {"kernel_shape": [2, 2, 2], "strides": [2, 1, 1], "pads": [0, 1, 0, 0, 0, 1], "p": 3}),
+]
+
+
+@pytest.mark.parametrize("opset,dtype", LP_FORMS, ids=LP_FORM_IDS)
+@pytest.mark.parametrize("case", LPPOOL, ids=[c[0] for c in LPPOOL])
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_lp_pool(case, opset, dtype, rng):
+    _, shape, attrs = case
+    x = signed(rng, *shape, dtype=dtype)
+    assert_lp_forward_agrees("LpPool", x, attrs, opset)
+    check_op("LpPool", [("x", x)], attrs, opset=opset, ort=lp_on_ort("LpPool", dtype))
+
+
+LPPOOL_18 = [
+    ("dilations", LP_X2, {"kernel_shape": [2, 2], "dilations": [2, 2]}),
+    ("dilations-strides-pads", LP_X2, {"kernel_shape": [2, 3], "strides": [1, 2], "dilations": [2, 1],
+                                    "pads": [1, 0, 0, 1]}),
+]
+
+
+@pytest.mark.parametrize("p,dtype", [(2, f32), (3, f64)], ids=["p2-f32", "p3-f64"])
+@pytest.mark.parametrize("case", LPPOOL_18, ids=[c[0] for c in LPPOOL_18])
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_lp_pool_dilations(case, p, dtype, rng):
+    _, shape, attrs = case
+    x = signed(rng, *shape, dtype=dtype)
+    assert_lp_forward_agrees("LpPool", x, {**attrs, "p": p}, 18)
+    check_op("LpPool", [("x", x)], {**attrs, "p": p}, opset=18, ort=lp_on_ort("LpPool", dtype))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1},
+    {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1},
+    {"kernel_shape": [3, 3], "strides": [3, 3], "ceil_mode": 1},
+], ids=["k2s2", "k3s2-pads", "overhang-2"])
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_lp_pool_ceil_mode(attrs, p, rng):
+    # onnx's reference divides the ceil_mode overhang windows wrongly (it scales an average);
+    # finite differences on onnxruntime instead
+    lp_ort_gradcheck("LpPool", signed(rng, 2, 3, 7, 7), {**attrs, "p": p}, 18)
+
+
+@pytest.mark.parametrize("attrs,p", [
+    ({"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1]}, 2),
+    ({"kernel_shape": [2, 3], "strides": [2, 2], "auto_pad": "SAME_LOWER"}, 3),
+], ids=["pads-p2", "same-lower-p3"])
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_lp_pool_dynamic(attrs, p, rng):
+    check_op("LpPool", [("x", signed(rng, *LP_X2))], {**attrs, "p": p}, opset=18, weights_as="inputs", dims="dynamic")
+
+
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_lp_pool_dynamic_ceil_mode(rng):
+    lp_ort_gradcheck("LpPool", signed(rng, 2, 3, 7, 7),
+                  {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1, "p": 1}, 18,
+                  dims="dynamic")
+
+
+@pytest.mark.usefixtures("fixed_global_lp_pool")
+def test_lp_pool_zero_window_has_zero_gradient(rng):
+    from onnx.reference import ReferenceEvaluator
+
+    x = signed(rng, 1, 1, 4, 4)
+    x[0, 0, :2, :2] = 0  # the first 2x2 window is all zeros: y = 0 there
+    model, weights, _ = make_op_model("LpPool", [("x", x)], {"kernel_shape": [2, 2], "strides": [2, 2]})
+    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
+    for got in (ReferenceEvaluator(built).run(None, {})[1], ort_run(built, {})["x_grad"]):
+        assert np.all(np.isfinite(got)) and np.all(got[0, 0, :2, :2] == 0)

@@ -349,3 +349,18 @@ def test_pad_reflect_of_unknown_rank_is_refused_naming_the_value(rng):
     with pytest.raises(GradientRuleError, match=r"Pad \(mode 'reflect'\) gradient needs the rank of 'xr' "
                                                 r"\(computed by an unnamed Reshape node\)"):
         GradientGraphBuilder(model, weights, ["loss"], "loss").build()
+
+
+# ----------------------------------------------------------------------------- ReverseSequence
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("shape,attrs,lens", [
+    ((4, 3, 2), {}, np.array([4, 1, 2])),  # time 0, batch 1 (the defaults)
+    ((3, 4, 2), {"batch_axis": 0, "time_axis": 1}, np.array([2, 4, 3])),
+    ((3, 5), {"batch_axis": 0, "time_axis": 1}, np.array([1, 5, 0], np.int64)),
+])
+def test_reverse_sequence(shape, attrs, lens, opset, rng):
+    check_op("ReverseSequence", [("x", arr(rng, *shape)), ("lens", lens)], attrs, opset=opset)
+    check_op("ReverseSequence", [("x", arr(rng, *shape)), ("lens", lens)], attrs, opset=opset,
+             weights_as="inputs", dims="dynamic")
