@@ -15,7 +15,7 @@ import torch
 from gradbuilder.compiler.split import build_split
 from gradbuilder.errors import InvalidModelError
 from gradbuilder.ortmodule import ExportError, ORTModule
-from gradbuilder.ortmodule import runner
+from gradbuilder.ortmodule import compiled
 
 from .torch_models import compare_with_torch
 
@@ -494,15 +494,15 @@ def test_split_graphs_of_a_max_whose_values_and_indices_are_outputs():
 def test_a_graph_that_fails_onnx_checker_is_refused_before_onnxruntime(monkeypatch):
     """A graph onnx.checker refuses is never handed to onnxruntime: the error names the graph and
     the checker's finding; with fallback=True the module runs in PyTorch."""
-    build = runner.build_split
+    build = compiled.build_split
 
     def broken(*args, **kwargs):
         split = build(*args, **kwargs)
         split.forward.graph.output.append(onnx.helper.make_tensor_value_info("dangling", onnx.TensorProto.FLOAT, [1]))
         return split
 
-    monkeypatch.setattr(runner, "build_split", broken)
-    monkeypatch.setattr(runner, "compile_graph", None)  # not reached
+    monkeypatch.setattr(compiled, "build_split", broken)
+    monkeypatch.setattr(compiled, "compile_graph", None)  # not reached
     x = torch.randn(4, 3)
     _, om = _pair(Linear())
     with pytest.raises(InvalidModelError, match=r"ORTModule\(Linear\): the forward graph built for input signature 0 "
