@@ -5,7 +5,49 @@ forms onnx's reference evaluator cannot run."""
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from gradbuilder.testing import check_model, make_op_model, numeric_gradient, ort_grad_session, ort_session
+from gradbuilder import GradientGraphBuilder
+from gradbuilder.testing import (check_model, make_op_model, numeric_gradient, ort_grad_session, ort_run, ort_session,
+                                 run_onnxruntime)
+
+
+def distinct(rng, *shape, offset=0.0):
+    """Well separated values (no ties within 0.2 of each other)."""
+    n = int(np.prod(shape))
+    return (rng.permutation(n).reshape(shape) * 0.4 + offset + rng.uniform(-0.05, 0.05, shape)).astype(np.float32)
+
+
+def signed(rng, *shape, lo=0.5, hi=2.0, dtype=np.float32):
+    """|values| in [lo, hi], random signs: away from the kinks of |x| at 0."""
+    return (rng.uniform(lo, hi, shape) * rng.choice([-1.0, 1.0], shape)).astype(dtype)
+
+
+def ort_directional_check(op, inputs, attrs, opset, dims="static", t=1e-2, directions=4, seed=0):
+    """For op forms the float64 gradcheck cannot build or run (a spec that admits float32 only,
+    a float32 epsilon in a function body, a reference evaluator that computes another forward):
+    the float32 gradient on onnxruntime against central differences of the loss on onnxruntime,
+    along random directions. Steps of 1e-2 on smooth functions are exact to O(t^2) ~ 1e-4."""
+    rng = np.random.default_rng(seed)
+    model, weights, feeds = make_op_model(op, inputs, attrs, opset=opset, weights_as="inputs", dims=dims)
+    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
+    got = ort_run(built, feeds)
+    for w in weights:
+        grad = got[f"{w}_grad"].astype(np.float64)
+        assert grad.shape == feeds[w].shape
+
+        def loss(v):
+            return float(ort_run(model, {**feeds, w: v.astype(np.float32)})["loss"])
+
+        for _ in range(directions):
+            d = rng.uniform(-1, 1, grad.shape)
+            num = (loss(feeds[w] + t * d) - loss(feeds[w] - t * d)) / (2 * t)
+            assert abs(num - np.sum(grad * d)) <= 2e-3 * max(1.0, abs(num)), (op, attrs, w, num, np.sum(grad * d))
+
+
+def run_grads(model, weights, feeds, extra=()):
+    """The onnxruntime gradients of ``weights`` and the values ``extra``, by name."""
+    built = GradientGraphBuilder(model, weights=weights, outputs=["loss", *extra], loss="loss").build().get_model()
+    got = run_onnxruntime(built, feeds)
+    return {**{w: got[f"{w}_grad"] for w in weights}, **{x: got[x] for x in extra}}
 
 
 def check_graph_ints(op, inputs, attrs=None, *, graph_ints, opset, num_outputs=1, static_last=False, **kw):

@@ -6,7 +6,7 @@ from onnx import helper
 from gradbuilder import GradientGraphBuilder
 from gradbuilder.testing import check_op, make_op_model, max_pool_reference, ort_run, patch_reference_evaluator
 
-from .harness import check_graph_ints
+from .harness import check_graph_ints, ort_directional_check, signed
 
 f32 = np.float32
 
@@ -451,21 +451,6 @@ def lp_on_ort(op, dtype):
     return dtype != f64
 
 
-def signed(rng, *shape, lo=0.5, hi=2.0, dtype=f32):
-    """|values| in [lo, hi], random signs: away from the kinks of |x| at 0."""
-    return (rng.uniform(lo, hi, shape) * rng.choice([-1.0, 1.0], shape)).astype(dtype)
-
-
-def assert_lp_forward_agrees(op, x, attrs, opset):
-    """onnx's reference (with GlobalLpPool's below) and onnxruntime compute the same forward."""
-    from onnx import reference  # looked up at call time: the fixture patches it
-
-    model = single_node(op, x.astype(f32), attrs, opset)
-    ref = reference.ReferenceEvaluator(model).run(None, {})[0]
-    got = ort_run(model, {})["y"]
-    assert ref.shape == got.shape and np.allclose(ref, got, rtol=1e-4, atol=1e-5), (op, attrs)
-
-
 @pytest.fixture
 def fixed_global_lp_pool(monkeypatch):
     """onnx's reference evaluator has no GlobalLpPool; this one is checked against onnxruntime's
@@ -482,24 +467,6 @@ def fixed_global_lp_pool(monkeypatch):
     patch_reference_evaluator(monkeypatch, GlobalLpPool)
 
 
-def lp_ort_gradcheck(op, x, attrs, opset, dims="static", seed=0, t=1e-2, directions=4):
-    """Directional finite differences of the loss on onnxruntime itself (float32), where the
-    float64 gradcheck cannot run: LpPool with ceil_mode (onnx's reference computes another
-    forward). Steps of 1e-2 on these smooth functions are exact to ~1e-4."""
-    rng = np.random.default_rng(seed)
-    model, weights, feeds = make_op_model(op, [("x", x)], attrs, opset=opset, weights_as="inputs", dims=dims)
-    built = GradientGraphBuilder(model, weights, ["loss"], "loss").build().model_proto
-    grad = ort_run(built, feeds)["x_grad"].astype(f64)
-
-    def loss(v):
-        return float(ort_run(model, {"x": v.astype(f32)})["loss"])
-
-    for _ in range(directions):
-        d = rng.uniform(-1, 1, x.shape)
-        num = (loss(x + t * d) - loss(x - t * d)) / (2 * t)
-        assert abs(num - np.sum(grad * d)) <= 2e-3 * max(1.0, abs(num)), (op, attrs, num, np.sum(grad * d))
-
-
 # ----------------------------------------------------------------------------- GlobalLpPool
 
 SPATIAL = [(2, 3, 5), (2, 3, 3, 4), (1, 2, 2, 3, 2)]
@@ -512,7 +479,7 @@ SPATIAL = [(2, 3, 5), (2, 3, 3, 4), (1, 2, 2, 3, 2)]
 def test_global_lp_pool(shape, p, opset, dtype, rng):
     attrs = {} if p is None else {"p": p}
     x = signed(rng, *shape, dtype=dtype)
-    assert_lp_forward_agrees("GlobalLpPool", x, attrs, opset)
+    assert_forward_agrees("GlobalLpPool", x.astype(f32), attrs, opset)
     check_op("GlobalLpPool", [("x", x)], attrs, opset=opset, ort=lp_on_ort("GlobalLpPool", dtype))
 
 
@@ -546,7 +513,7 @@ LPPOOL = [
 def test_lp_pool(case, opset, dtype, rng):
     _, shape, attrs = case
     x = signed(rng, *shape, dtype=dtype)
-    assert_lp_forward_agrees("LpPool", x, attrs, opset)
+    assert_forward_agrees("LpPool", x.astype(f32), attrs, opset)
     check_op("LpPool", [("x", x)], attrs, opset=opset, ort=lp_on_ort("LpPool", dtype))
 
 
@@ -563,7 +530,7 @@ LPPOOL_18 = [
 def test_lp_pool_dilations(case, p, dtype, rng):
     _, shape, attrs = case
     x = signed(rng, *shape, dtype=dtype)
-    assert_lp_forward_agrees("LpPool", x, {**attrs, "p": p}, 18)
+    assert_forward_agrees("LpPool", x.astype(f32), {**attrs, "p": p}, 18)
     check_op("LpPool", [("x", x)], {**attrs, "p": p}, opset=18, ort=lp_on_ort("LpPool", dtype))
 
 
@@ -577,7 +544,7 @@ def test_lp_pool_dilations(case, p, dtype, rng):
 def test_lp_pool_ceil_mode(attrs, p, rng):
     # onnx's reference divides the ceil_mode overhang windows wrongly (it scales an average);
     # finite differences on onnxruntime instead
-    lp_ort_gradcheck("LpPool", signed(rng, 2, 3, 7, 7), {**attrs, "p": p}, 18)
+    ort_directional_check("LpPool", [("x", signed(rng, 2, 3, 7, 7))], {**attrs, "p": p}, 18)
 
 
 @pytest.mark.parametrize("attrs,p", [
@@ -591,7 +558,7 @@ def test_lp_pool_dynamic(attrs, p, rng):
 
 @pytest.mark.usefixtures("fixed_global_lp_pool")
 def test_lp_pool_dynamic_ceil_mode(rng):
-    lp_ort_gradcheck("LpPool", signed(rng, 2, 3, 7, 7),
+    ort_directional_check("LpPool", [("x", signed(rng, 2, 3, 7, 7))],
                   {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1, "p": 1}, 18,
                   dims="dynamic")
 

@@ -1,45 +1,15 @@
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
 
-from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, gradcheck, make_op_model, run_onnxruntime
+from gradbuilder.testing import check_op, make_op_model
+
+from .harness import check_graph_ints, distinct, run_grads
 
 f32 = np.float32
 
 
 def arr(rng, *shape):
     return rng.standard_normal(shape).astype(f32)
-
-
-def distinct(rng, *shape, offset=0.0):
-    """Well separated values (no ties within 0.2 of each other)."""
-    n = int(np.prod(shape))
-    return (rng.permutation(n).reshape(shape) * 0.4 + offset + rng.uniform(-0.05, 0.05, shape)).astype(f32)
-
-
-def check_with_graph_ints(op, inputs, attrs, *, graph_ints, opset, **kw):
-    """check_op with the integer inputs ``graph_ints`` fed at run time (not constants), so a
-    rule cannot read them; float inputs are graph inputs of unknown shape."""
-    model, weights, feeds = make_op_model(op, inputs, attrs, opset=opset, weights_as="inputs", dims="dynamic", **kw)
-    for t in list(model.graph.initializer):
-        if t.name in graph_ints:
-            value = numpy_helper.to_array(t)
-            model.graph.initializer.remove(t)
-            model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, [None] * value.ndim))
-            feeds[t.name] = value
-    report = gradcheck(model, weights, "loss", feeds)
-    assert report.passed, str(report)
-    got = run_grads(model, weights, feeds)
-    for w in weights:
-        ref = report.gradients[w]
-        np.testing.assert_allclose(got[w], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
-
-
-def run_grads(model, weights, feeds, extra=()):
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss", *extra], loss="loss").build().get_model()
-    got = run_onnxruntime(built, feeds)
-    return {**{w: got[f"{w}_grad"] for w in weights}, **{x: got[x] for x in extra}}
 
 
 # ----------------------------------------------------------------------------- ScatterElements
@@ -81,8 +51,8 @@ def test_scatter_elements_dynamic(reduction, opset, rng):
     red = {} if reduction == "none" else {"reduction": reduction}
     check_op("ScatterElements", elements_inputs(rng, ELEMENTS[3], reduction), {"axis": -1, **red},
              opset=opset, weights_as="inputs", dims="dynamic")
-    check_with_graph_ints("ScatterElements", elements_inputs(rng, ELEMENTS[1], reduction), {"axis": 1, **red},
-                          graph_ints=["i"], opset=opset)
+    check_graph_ints("ScatterElements", elements_inputs(rng, ELEMENTS[1], reduction), {"axis": 1, **red},
+                     weights_as="inputs", dims="dynamic", graph_ints=["i"], opset=opset)
 
 
 def test_scatter_elements_last_write_wins(rng):
@@ -161,7 +131,8 @@ def test_scatter_nd_reductions(case, reduction, opset, rng):
 def test_scatter_nd_dynamic(reduction, opset, rng):
     red = {} if reduction == "none" else {"reduction": reduction}
     check_op("ScatterND", nd_inputs(rng, ND[3], reduction), red, opset=opset, weights_as="inputs", dims="dynamic")
-    check_with_graph_ints("ScatterND", nd_inputs(rng, ND[2], reduction), red, graph_ints=["i"], opset=opset)
+    check_graph_ints("ScatterND", nd_inputs(rng, ND[2], reduction), red, weights_as="inputs", dims="dynamic",
+                     graph_ints=["i"], opset=opset)
 
 
 # ----------------------------------------------------------------------------- TensorScatter

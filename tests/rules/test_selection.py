@@ -3,46 +3,18 @@
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from gradbuilder import GradientGraphBuilder
-from gradbuilder.testing import check_op, gradcheck, make_op_model, reference_evaluator, run_onnxruntime
+from gradbuilder.testing import check_op, make_op_model, reference_evaluator
+
+from .harness import check_graph_ints, distinct, run_grads
 
 f32 = np.float32
 
 
 def arr(rng, *shape):
     return rng.standard_normal(shape).astype(f32)
-
-
-def distinct(rng, *shape, offset=0.0):
-    """Well separated values (no ties within 0.2 of each other)."""
-    n = int(np.prod(shape))
-    return (rng.permutation(n).reshape(shape) * 0.4 + offset + rng.uniform(-0.05, 0.05, shape)).astype(f32)
-
-
-def check_with_graph_ints(op, inputs, attrs, *, graph_ints, opset, **kw):
-    """check_op with the integer inputs ``graph_ints`` fed at run time (not constants), so a
-    rule cannot read them; float inputs are graph inputs of unknown shape."""
-    model, weights, feeds = make_op_model(op, inputs, attrs, opset=opset, weights_as="inputs", dims="dynamic", **kw)
-    for t in list(model.graph.initializer):
-        if t.name in graph_ints:
-            value = numpy_helper.to_array(t)
-            model.graph.initializer.remove(t)
-            model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, [None] * value.ndim))
-            feeds[t.name] = value
-    report = gradcheck(model, weights, "loss", feeds)
-    assert report.passed, str(report)
-    got = run_grads(model, weights, feeds)
-    for w in weights:
-        ref = report.gradients[w]
-        np.testing.assert_allclose(got[w], ref, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(ref).max()))
-
-
-def run_grads(model, weights, feeds, extra=()):
-    built = GradientGraphBuilder(model, weights=weights, outputs=["loss", *extra], loss="loss").build().get_model()
-    got = run_onnxruntime(built, feeds)
-    return {**{w: got[f"{w}_grad"] for w in weights}, **{x: got[x] for x in extra}}
 
 
 # ----------------------------------------------------------------------------- TopK
@@ -71,8 +43,8 @@ def test_topk(attrs, opset, rng):
 def test_topk_dynamic(opset, rng):
     check_op("TopK", [("x", distinct(rng, 3, 4, 5)), ("k", np.array([3]))], {"axis": 1, "largest": 0},
              opset=opset, num_outputs=2, weights_as="inputs", dims="dynamic")
-    check_with_graph_ints("TopK", [("x", distinct(rng, 4, 6)), ("k", np.array([4]))], {}, graph_ints=["k"],
-                          opset=opset, num_outputs=2)
+    check_graph_ints("TopK", [("x", distinct(rng, 4, 6)), ("k", np.array([4]))], {}, weights_as="inputs",
+                     dims="dynamic", graph_ints=["k"], opset=opset, num_outputs=2)
 
 
 # ----------------------------------------------------------------------------- Compress
@@ -99,8 +71,8 @@ def test_compress_dynamic(opset, rng):
     for attrs, condition in COMPRESS[2:]:
         check_op("Compress", [("x", arr(rng, 3, 4, 5)), ("c", condition)], attrs, opset=opset,
                  weights_as="inputs", dims="dynamic")
-    check_with_graph_ints("Compress", [("x", arr(rng, 3, 4, 5)), ("c", COMPRESS[1][1])], COMPRESS[1][0],
-                          graph_ints=["c"], opset=opset)
+    check_graph_ints("Compress", [("x", arr(rng, 3, 4, 5)), ("c", COMPRESS[1][1])], COMPRESS[1][0],
+                     weights_as="inputs", dims="dynamic", graph_ints=["c"], opset=opset)
 
 
 # ----------------------------------------------------------------------------- OneHot
@@ -116,9 +88,9 @@ def test_one_hot(axis, opset, rng):
 
 @pytest.mark.parametrize("opset", [13, 18])
 def test_one_hot_dynamic(opset, rng):
-    check_with_graph_ints("OneHot", [("i", np.array([1, 0, 3, 1])), ("depth", np.array(5)),
-                                     ("v", np.array([2.0, 0.5], f32))], {"axis": 0}, graph_ints=["i", "depth"],
-                          opset=opset)
+    check_graph_ints("OneHot", [("i", np.array([1, 0, 3, 1])), ("depth", np.array(5)),
+                                ("v", np.array([2.0, 0.5], f32))], {"axis": 0}, weights_as="inputs",
+                     dims="dynamic", graph_ints=["i", "depth"], opset=opset)
 
 
 def test_one_hot_float_indices_and_depth(rng):
