@@ -50,7 +50,8 @@ def reference_fixes() -> tuple:
     ``new_ops``): ops that round through float32 replaced by versions that keep the input's precision (float64 finite differences need it): Erf, GridSample
     (which also learns opset 16's mode names) and AffineGrid, Adam, cubic Resize, LinearAttention,
     unseeded Dropout (one fixed draw), Scatter (deprecated, missing), MaxPool (Indices as
-    the spec and onnxruntime compute them), LpNormalization (|x|**p), MeanVarianceNormalization,
+    the spec and onnxruntime compute them), AveragePool and LpPool (the stock ones loop over the
+    windows in Python), LpNormalization (|x|**p), MeanVarianceNormalization,
     CausalConvWithState, in function bodies too; and Scan and Loop, which onnx's evaluator runs only along axis 0
     forwards, and stacks wrongly, respectively."""
     import math
@@ -131,6 +132,24 @@ def reference_fixes() -> tuple:
                                         dilations, pads, storage_order or 0, strides)
             return (y,) if len(self.output) == 1 else (y, ind)
 
+    class AveragePool(OpRun):  # the stock one loops over the windows in Python
+        op_domain = ""
+
+        def _run(self, x, auto_pad=None, ceil_mode=None, dilations=None, kernel_shape=None, pads=None,
+                 strides=None, count_include_pad=None):
+            return (average_pool_reference(x, list(kernel_shape), auto_pad or "NOTSET", ceil_mode or 0, dilations,
+                                           pads, strides, count_include_pad or 0),)
+
+    class LpPool(OpRun):  # the same windows: (taps * mean |x|**p over x and its padding) ** (1/p), as
+        op_domain = ""      # onnx's reference computes it (the norm itself but where a ceil-mode window overhangs)
+
+        def _run(self, x, auto_pad=None, ceil_mode=None, dilations=None, kernel_shape=None, p=None, pads=None,
+                 strides=None):
+            p = 2 if p is None else p
+            mean = average_pool_reference(np.abs(x) ** p, list(kernel_shape), auto_pad or "NOTSET", ceil_mode or 0,
+                                          dilations, pads, strides, count_include_pad=1)
+            return ((int(np.prod(kernel_shape)) * mean) ** (1.0 / p)).astype(x.dtype),
+
     from onnx.reference.ops.op_lp_normalization import LpNormalization as StockLpNormalization
 
     class LpNormalization(StockLpNormalization):  # the stock one sums x**p, not |x|**p
@@ -151,13 +170,63 @@ def reference_fixes() -> tuple:
             std = np.sqrt((x * x).mean(axis=axes, keepdims=True) - mean * mean)
             return ((x - mean) / (std + x.dtype.type(1e-9)),)
 
-    ops = [Erf, GridSample, AffineGrid, Adam, Resize, Dropout, Scatter, MaxPool, LpNormalization,
+    ops = [Erf, GridSample, AffineGrid, Adam, Resize, Dropout, Scatter, MaxPool, AveragePool, LpPool, LpNormalization,
            MeanVarianceNormalization,
            *_control_flow_classes(),
            _widened("op_linear_attention", "LinearAttention"),
            _widened("op_causal_conv_with_state", "CausalConvWithState")]
 
     return tuple(ops)
+
+
+def _pool_windows(x, kernel_shape, auto_pad="NOTSET", ceil_mode=0, dilations=None, pads=None, strides=None,
+                  fill=0.0):
+    """The windows of a pooling op over ``x`` (N, C, *spatial), with every spatial axis's output
+    size, padding and ceil mode as the ONNX spec and onnxruntime compute them. Returns ``cols``
+    (N, C, taps, *out), the value of each window tap (``fill`` outside ``x``), the taps' offsets
+    (taps, r), the begin padding and the output sizes per axis, and two masks broadcastable to
+    ``cols``: the taps on ``x`` and the taps on ``x`` or its padding (not past it, where a ceil-mode
+    window overhangs)."""
+    r = len(kernel_shape)
+    size = x.shape[2:]
+    strides = list(strides or [1] * r)
+    dilations = list(dilations or [1] * r)
+    pads = list(pads or [0] * (2 * r))
+    begins, ends, outs = [], [], []
+    for i in range(r):
+        span = (kernel_shape[i] - 1) * dilations[i] + 1
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            out = -(-size[i] // strides[i]) if ceil_mode else (size[i] - 1) // strides[i] + 1
+            total = max(0, (out - 1) * strides[i] + span - size[i])
+            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+            end = total - begin
+        elif auto_pad == "VALID":
+            num = size[i] - span
+            out, begin, end = (-(-num // strides[i]) if ceil_mode else num // strides[i]) + 1, 0, 0
+        else:
+            begin, end = pads[i], pads[r + i]
+            num = size[i] + begin + end - span
+            out = (-(-num // strides[i]) if ceil_mode else num // strides[i]) + 1
+            if ceil_mode and (out - 1) * strides[i] >= size[i] + begin:
+                out -= 1  # a window starting in the end padding is dropped
+        begins.append(begin)
+        ends.append(end)
+        outs.append(out)
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]
+    after = [max(0, (o - 1) * s + sp - b - n) for o, s, sp, b, n in zip(outs, strides, spans, begins, size)]
+    padded = np.pad(x, [(0, 0), (0, 0)] + list(zip(begins, after)), constant_values=fill)
+    offsets = np.array(list(itertools.product(*[range(k) for k in kernel_shape]))).reshape(-1, r)
+    cols = np.stack([padded[(slice(None), slice(None)) + tuple(
+        slice(k[i] * dilations[i], k[i] * dilations[i] + (outs[i] - 1) * strides[i] + 1, strides[i])
+        for i in range(r))] for k in offsets], axis=2)  # (N, C, taps, *out)
+    on_x = np.ones((len(offsets),) + tuple(outs), bool)
+    on_padding = on_x.copy()
+    for i in range(r):  # tap t of window o sits at o * stride + offset * dilation in padded coordinates
+        where = (np.arange(outs[i]) * strides[i]).reshape([1] * (i + 1) + [-1] + [1] * (r - i - 1)) \
+            + (offsets[:, i] * dilations[i]).reshape([-1] + [1] * r)
+        on_x &= (where >= begins[i]) & (where < begins[i] + size[i])
+        on_padding &= where < begins[i] + size[i] + ends[i]
+    return cols, offsets, begins, outs, on_x, on_padding
 
 
 def max_pool_reference(x, kernel_shape, auto_pad="NOTSET", ceil_mode=0, dilations=None, pads=None,
@@ -169,42 +238,29 @@ def max_pool_reference(x, kernel_shape, auto_pad="NOTSET", ceil_mode=0, dilation
     size = x.shape[2:]
     strides = list(strides or [1] * r)
     dilations = list(dilations or [1] * r)
-    pads = list(pads or [0] * (2 * r))
-    begins, outs = [], []
-    for i in range(r):
-        span = (kernel_shape[i] - 1) * dilations[i] + 1
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            out = -(-size[i] // strides[i]) if ceil_mode else (size[i] - 1) // strides[i] + 1
-            total = max(0, (out - 1) * strides[i] + span - size[i])
-            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
-        elif auto_pad == "VALID":
-            num = size[i] - span
-            out, begin = (-(-num // strides[i]) if ceil_mode else num // strides[i]) + 1, 0
-        else:
-            begin = pads[i]
-            num = size[i] + pads[i] + pads[r + i] - span
-            out = (-(-num // strides[i]) if ceil_mode else num // strides[i]) + 1
-            if ceil_mode and (out - 1) * strides[i] >= size[i] + pads[i]:
-                out -= 1  # a window starting in the end padding is dropped
-        begins.append(begin)
-        outs.append(out)
-    spans = [(k - 1) * d + 1 for k, d in zip(kernel_shape, dilations)]
-    after = [max(0, (o - 1) * s + sp - b - n) for o, s, sp, b, n in zip(outs, strides, spans, begins, size)]
-    padded = np.pad(x, [(0, 0), (0, 0)] + list(zip(begins, after)), constant_values=-np.inf)
-    offsets = list(itertools.product(*[range(k) for k in kernel_shape]))
-    cols = np.stack([padded[(slice(None), slice(None)) + tuple(
-        slice(k[i] * dilations[i], k[i] * dilations[i] + (outs[i] - 1) * strides[i] + 1, strides[i])
-        for i in range(r))] for k in offsets], axis=2)  # (N, C, taps, *out)
+    cols, offsets, begins, outs, _, _ = _pool_windows(x, kernel_shape, auto_pad, ceil_mode, dilations, pads, strides,
+                                                      fill=-np.inf)
     arg = np.argmax(cols, axis=2)
     y = np.take_along_axis(cols, arg[:, :, None], axis=2)[:, :, 0].astype(x.dtype)
     grid = np.meshgrid(*[np.arange(o) for o in outs], indexing="ij")
-    pos = [grid[i] * strides[i] - begins[i] + np.array(offsets)[arg, i] * dilations[i] for i in range(r)]
+    pos = [grid[i] * strides[i] - begins[i] + offsets[arg, i] * dilations[i] for i in range(r)]
     flat = np.zeros_like(arg)
     for i in (reversed(range(r)) if storage_order else range(r)):
         flat = flat * size[i] + pos[i]
     n, c = x.shape[:2]
     plane = np.arange(n * c).reshape([n, c] + [1] * r) * int(np.prod(size))
     return y, (plane + flat).astype(np.int64)
+
+
+def average_pool_reference(x, kernel_shape, auto_pad="NOTSET", ceil_mode=0, dilations=None, pads=None,
+                           strides=None, count_include_pad=0):
+    """AveragePool as onnx's reference evaluator computes it, in one pass over the windows (the
+    stock kernel loops over them in Python: seconds for a small 3-D input): each window's mean
+    over its taps on ``x``, or with ``count_include_pad`` on ``x`` and its padding."""
+    cols, _, _, _, on_x, on_padding = _pool_windows(x, kernel_shape, auto_pad, ceil_mode, dilations, pads, strides)
+    counted = on_padding if count_include_pad else on_x
+    with np.errstate(invalid="ignore", divide="ignore"):  # a window on padding alone: NaN, as the stock one
+        return (np.where(counted, cols, 0).sum(axis=2) / counted.sum(axis=0)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=None)  # compiled once per process

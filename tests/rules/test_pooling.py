@@ -220,6 +220,66 @@ def test_average_pool_dynamic(attrs, count_include_pad, rng):
              opset=18, weights_as="inputs", dims="dynamic")
 
 
+FAST_REFERENCE = [
+    ("AveragePool", 19, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 1, 2], "count_include_pad": 0}),
+    ("AveragePool", 19, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 1, 2], "count_include_pad": 1}),
+    ("AveragePool", 19, {"kernel_shape": [2, 3], "strides": [2, 1], "dilations": [2, 1], "pads": [1, 1, 1, 1]}),
+    ("AveragePool", 19, {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1, "count_include_pad": 1,
+                         "pads": [1, 1, 1, 1]}),
+    ("AveragePool", 19, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER", "count_include_pad": 0}),
+    ("AveragePool", 19, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_LOWER", "count_include_pad": 1}),
+    ("AveragePool", 19, {"kernel_shape": [2, 2, 2]}),
+    ("AveragePool", 7, {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    ("LpPool", 18, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 1, 2], "p": 2}),
+    ("LpPool", 18, {"kernel_shape": [2, 3], "dilations": [2, 1], "p": 3}),
+    ("LpPool", 18, {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER", "p": 1}),
+    ("LpPool", 18, {"kernel_shape": [2, 2, 2], "strides": [2, 1, 2], "p": 2}),
+]
+
+
+@pytest.mark.parametrize("op,opset,attrs", FAST_REFERENCE,
+                         ids=[f"{o}-{v}-{i}" for i, (o, v, _) in enumerate(FAST_REFERENCE)])
+def test_the_fast_pool_references_compute_what_onnxruntime_does(op, opset, attrs, rng):
+    """The reference fixes' AveragePool and LpPool (one pass over the windows, where onnx's loop
+    over them in Python) against onnxruntime's forward, and against onnx's own stock kernels."""
+    from onnx.reference import ReferenceEvaluator
+
+    from gradbuilder.testing import reference_evaluator
+
+    shape = (2, 3, 5, 6, 4) if len(attrs["kernel_shape"]) == 3 else (2, 3, 7, 8)
+    x = signed(rng, *shape)
+    model = single_node(op, x, attrs, opset)
+    fast = reference_evaluator(model).run(None, {})[0]
+    np.testing.assert_allclose(fast, ort_run(model, {})["y"], rtol=1e-5, atol=1e-5)
+    model64 = single_node(op, x.astype(np.float64), attrs, opset)  # float64: the same sums in any order
+    np.testing.assert_allclose(reference_evaluator(model64).run(None, {})[0],
+                               ReferenceEvaluator(model64).run(None, {})[0], rtol=1e-12, atol=1e-12)
+
+
+def test_the_fast_pool_references_agree_with_the_stock_ones_on_onnx_backend_cases():
+    """Every AveragePool and LpPool case of ONNX's backend tests, in float64: the fixes' kernels
+    give what onnx's stock kernels give (op coverage computes its finite differences with them)."""
+    import warnings
+
+    from onnx.backend.test.case.node import collect_testcases
+    from onnx.reference import ReferenceEvaluator
+
+    from gradbuilder.testing import reference_evaluator, to_float64
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = [c for c in collect_testcases() if c.model is not None and c.data_sets
+                 and [n.op_type for n in c.model.graph.node] in (["AveragePool"], ["LpPool"])]
+    assert len(cases) >= 25, [c.name for c in cases]
+    for case in cases:
+        model = to_float64(case.model)
+        feeds = {i.name: np.asarray(v, np.float64) for i, v in zip(model.graph.input, case.data_sets[0][0])}
+        stock = ReferenceEvaluator(model).run(None, feeds)[0]
+        fast = reference_evaluator(model).run(None, feeds)[0]
+        assert fast.shape == stock.shape, case.name
+        np.testing.assert_allclose(fast, stock, rtol=1e-12, atol=1e-12, err_msg=case.name)
+
+
 # ----------------------------------------------------------------------------- global pools
 
 
