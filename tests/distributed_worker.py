@@ -4,6 +4,8 @@ micro-batch and writes what it saw to ``<out>/rank<r>.npz``.
 
     python tests/distributed_worker.py CONFIG.json
 
+(or :func:`run_rank`, in a process forked from a server that imported what it needs once).
+
 CONFIG: model (path), params (TrainingParameters.to_dict()), lr, data (npz with arrays
 [steps, global batch, ...] per input), mode ("run" or "stepwise"), and optionally
 "checkpoint_at" / "checkpoint" (save after that many steps), "resume" (a checkpoint to load
@@ -100,6 +102,26 @@ def torch_ddp(cfg: dict, data: dict, rank: int, world: int) -> dict:
     out = {f"t/{n}": v.detach().numpy() for n, v in module.state_dict().items()}
     out["t/losses"] = np.array(losses)
     return out
+
+
+def run_rank(config: str, env: dict, stderr_path: str) -> None:
+    """One rank in a process forked from the tests' fork server, which has imported torch,
+    onnxruntime and gradbuilder once (a fresh interpreter per rank spends seconds importing
+    them): the rank's environment, its stderr to a file, then :func:`main` as on the command line."""
+    os.environ.update(env)
+    err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # OpenMP read its variables at import
+    sys.argv = [__file__, config]
+    try:
+        main()
+    except Exception:  # uncaught, as the interpreter ends a program: sys.excepthook, then exit code 1
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

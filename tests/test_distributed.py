@@ -1,6 +1,8 @@
 """Distributed training on torch.distributed (gloo, localhost): each test starts its ranks as
-processes with torchrun's (or mpirun's) environment (tests/distributed_worker.py), bounded in
-time, and compares what they trained with one process trained on the whole batch."""
+processes with torchrun's (or mpirun's) environment (tests/distributed_worker.py, forked from a
+server that imported torch, onnxruntime and gradbuilder once), bounded in time, and compares what
+they trained with one process trained on the whole batch. The command line's own launcher
+(``gradbuilder train --nproc-per-node``) starts fresh interpreters, as a user's run does."""
 
 from __future__ import annotations
 
@@ -78,6 +80,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fork_rank(config: Path, env: dict, stderr: Path):
+    """A started rank process (tests/distributed_worker.py's ``run_rank``), forked from a server
+    that imported torch, onnxruntime and gradbuilder once for the whole test session: a rank is
+    still a process of its own with torchrun's (or mpirun's) environment, without seconds of
+    imports each."""
+    import multiprocessing
+
+    from . import distributed_worker
+
+    global _RANKS
+    if _RANKS is None:
+        _RANKS = multiprocessing.get_context("forkserver")
+        _RANKS.set_forkserver_preload(["torch", "torch.distributed", "onnxruntime", distributed_worker.__name__])
+    proc = _RANKS.Process(target=distributed_worker.run_rank, args=(str(config), env, str(stderr)))
+    proc.start()
+    return proc
+
+
+_RANKS = None  # the fork server's context, made at the first launch
+
+
 def launch(tmp: Path, model: onnx.ModelProto, params: dict, data: dict, world: int, *, mode: str = "run",
            launcher: str = "torchrun", expect_failure: bool = False, **extra) -> list[dict]:
     """Run ``world`` ranks; returns each rank's results (or, with ``expect_failure``, each
@@ -97,18 +120,15 @@ def launch(tmp: Path, model: onnx.ModelProto, params: dict, data: dict, world: i
             env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         else:
             env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp / "config.json")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(_fork_rank(tmp / "config.json", env, tmp / f"rank{rank}.stderr"))
     deadline = time.monotonic() + TIMEOUT_S
-    outputs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((p.returncode, err))
-    except subprocess.TimeoutExpired:
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    if any(p.exitcode is None for p in procs):
         for p in procs:
             p.kill()
         pytest.fail(f"the {world} ranks did not finish within {TIMEOUT_S} s")
+    outputs = [(p.exitcode, (tmp / f"rank{rank}.stderr").read_text()) for rank, p in enumerate(procs)]
     if expect_failure:
         return [{"code": code, "stderr": err} for code, err in outputs]
     for rank, (code, err) in enumerate(outputs):
