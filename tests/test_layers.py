@@ -25,7 +25,7 @@ FORBIDDEN = {
     "runtime": {"ortmodule", "cli", "demo", "testing"},
     "ortmodule": {"cli", "demo", "testing"},
 }
-FOUNDATIONS = {"errors", "files", "interface", "dtypes", "compat"}
+FOUNDATIONS = {"errors", "files", "interface", "dtypes", "compat", "tensorfiles"}
 
 
 def _imports(path: pathlib.Path, package: str) -> set[str]:

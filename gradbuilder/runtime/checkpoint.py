@@ -47,13 +47,15 @@ import os
 import struct
 import zipfile
 
-import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 
 from .. import files
 from ..dtypes import NP_OF_ORT
 from ..errors import CheckpointError, InvalidArgumentError
+from ..tensorfiles import CHUNK, code_of, header_bytes
+from ..tensorfiles import DTYPES as _DTYPES
+from ..tensorfiles import bytes_of as _bytes_of
 
 __all__ = ["FORMAT", "save", "load", "resumes"]
 
@@ -65,18 +67,6 @@ WHAT_A_CHECKPOINT_IS = ("a checkpoint is a file written by TrainingSession.save_
                         "`gradbuilder train --checkpoint`")
 
 MAX_HEADER = 100_000_000  # the safetensors package refuses longer headers
-CHUNK = 1 << 24  # bytes written or read (and hashed) at a time
-
-_DTYPES = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-
-_CODES = {(dt.kind, dt.itemsize): code for code, dt in _DTYPES.items() if code != "BF16"}
-
 
 def _spec(name, value):
     """(dtype code, shape) of a tensor to save: a numpy array or an onnxruntime OrtValue."""
@@ -92,20 +82,12 @@ def _spec(name, value):
     else:
         raise InvalidArgumentError(
             f"checkpoint tensor {name!r} must be a numpy array or an onnxruntime OrtValue, got {type(value).__name__}")
-    if dt == _DTYPES["BF16"]:
-        return "BF16", shape
-    code = _CODES.get((dt.kind, dt.itemsize)) if dt.kind in "fiub" else None
+    code = code_of(dt)
     if code is None:
         raise InvalidArgumentError(
             f"checkpoint tensor {name!r} has dtype {dt}, which a checkpoint cannot hold; "
             f"supported: {', '.join(_DTYPES)}")
     return code, shape
-
-
-def _bytes_of(array, code):
-    """The array as a flat little-endian C-order uint8 array (no copy when already so)."""
-    array = np.ascontiguousarray(array, dtype=_DTYPES[code])
-    return array.reshape(-1).view(np.uint8)
 
 
 def _host_bytes(value, code):
@@ -166,8 +148,7 @@ def save(path, tensors, metadata=None):
         size = int(np.prod(shape, dtype=object)) * _DTYPES[code].itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [end, end + size]}
         end += size
-    raw = _json(header)
-    raw += b" " * (-len(raw) % 8)
+    raw = header_bytes(header)
     with files.atomic_write(path, error=CheckpointError, what="checkpoint") as (tmp,):
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .. import compat, files
+from .. import compat, files, tensorfiles
 from ..compiler import modelio
 from ..errors import InvalidArgumentError
 from ..interface import ALL_FINITE, LEARNING_RATE, STEP, updated
@@ -120,7 +120,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         manifest["inference"] = _inference(modelio.DetachedModel(proto, large), keep, tmp["inference_model.onnx"],
                                            tmp["inference_model.onnx.data"], set(weights) | set(buffers))
         with open(tmp["state.safetensors"], "wb") as f:
-            f.write(safetensors_bytes({n: state[n] for n, _ in pairs}))
+            tensorfiles.write(f, {n: state[n] for n, _ in pairs})
         with open(tmp["manifest.json"], "w") as f:
             json.dump(manifest, f, indent=1)
     return {n: str(directory / n) for n in NAMES}
