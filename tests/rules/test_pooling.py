@@ -258,7 +258,9 @@ def test_the_fast_pool_references_compute_what_onnxruntime_does(op, opset, attrs
 
 def test_the_fast_pool_references_agree_with_the_stock_ones_on_onnx_backend_cases():
     """Every AveragePool and LpPool case of ONNX's backend tests, in float64: the fixes' kernels
-    give what onnx's stock kernels give (op coverage computes its finite differences with them)."""
+    give what onnx's stock kernels give (op coverage computes its finite differences with them).
+    The two 32x32x32 cases (default attributes, which FAST_REFERENCE checks at a smaller size)
+    are left out: the stock kernel takes seconds on each."""
     import warnings
 
     from onnx.backend.test.case.node import collect_testcases
@@ -269,8 +271,9 @@ def test_the_fast_pool_references_agree_with_the_stock_ones_on_onnx_backend_case
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cases = [c for c in collect_testcases() if c.model is not None and c.data_sets
-                 and [n.op_type for n in c.model.graph.node] in (["AveragePool"], ["LpPool"])]
-    assert len(cases) >= 25, [c.name for c in cases]
+                 and [n.op_type for n in c.model.graph.node] in (["AveragePool"], ["LpPool"])
+                 and np.asarray(c.data_sets[0][0][0]).size < 50_000]
+    assert len(cases) >= 26, [c.name for c in cases]
     for case in cases:
         model = to_float64(case.model)
         feeds = {i.name: np.asarray(v, np.float64) for i, v in zip(model.graph.input, case.data_sets[0][0])}
