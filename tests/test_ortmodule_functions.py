@@ -1,19 +1,22 @@
-"""ORTModule and torch.autograd.Function: every Function the traced call applies is refused
-(or, with fallback=True, the module runs in PyTorch), however the module's code reaches its
-``apply``."""
+"""ORTModule and torch.autograd.Function: every Function the traced call applies runs in
+PyTorch between onnxruntime graphs (a graph break), with the gradient its own backward defines,
+however the module's code reaches its ``apply`` and whatever form the Function takes. Each
+module is checked against the plain module over several optimizer steps: losses, gradients,
+parameters and buffers."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import inspect
+import logging
 import re
 import warnings
 
 import pytest
 import torch
 
-from gradbuilder.ortmodule import ExportError, ORTModule
+from gradbuilder.ortmodule import DebugOptions, ExportError, LogLevel, ORTModule
 
 
 class Triple(torch.autograd.Function):
@@ -99,43 +102,223 @@ def _quiet():
     warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
 
 
+def train_alike(make, batches, steps: int = 3, loss=lambda out: out.pow(2).sum(), lr: float = 0.05, **options):
+    """ORTModule(make()) and make() trained side by side with SGD on ``batches(step)``: the
+    same losses, gradients, parameters and buffers at every step. Returns the ORTModule."""
+    torch.manual_seed(0)
+    ref = make()
+    om = ORTModule(copy.deepcopy(ref), **options)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    opt_om = torch.optim.SGD(om.parameters(), lr=lr)
+    for step in range(steps):
+        args = batches(step)
+        want, got = loss(ref(*args)), loss(om(*copy.deepcopy(args)))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        opt_ref.zero_grad()
+        opt_om.zero_grad()
+        want.backward()
+        got.backward()
+        for (name, p), q in zip(ref.named_parameters(), om.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), (step, name)
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=f"step {step}: {name}")
+        opt_ref.step()
+        opt_om.step()
+    for (name, p), q in zip(ref.state_dict().items(), om.module.state_dict().values()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+    return om
+
+
 @pytest.mark.parametrize("how", list(WAYS))
-def test_a_function_is_refused_naming_its_class_and_place(how):
+def test_a_function_trains_with_its_own_backward(how, caplog):
+    """The Linear's gradient flows only through the Function, whose backward triples (or
+    halves) it: the ORTModule's gradients are those, not the forward's derivative."""
     _quiet()
     name, line = WAYS[how]
-    om = ORTModule(Net(how))
-    x = torch.randn(4, 3)
-    where = re.escape(f"{__file__}:{line}")
-    with pytest.raises(ExportError, match=rf"torch.autograd.Function {__name__}.{name} \(applied at {where}\)"
-                                          r".*fallback=True"):
-        om(x)
+    with caplog.at_level(logging.INFO, logger="gradbuilder.ortmodule"):
+        om = train_alike(lambda: Net(how), lambda step: (torch.randn(4, 3),),
+                         debug_options=DebugOptions(log_level=LogLevel.INFO))
+    assert om.exports == 1
+    where = f"{__file__}:{line}"
+    assert any(f"graph break at {__name__}.{name} (applied at {where})" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("how", list(WAYS))
-def test_a_function_runs_in_pytorch_with_fallback(how):
-    _quiet()
-    ref = Net(how)
-    om = ORTModule(copy.deepcopy(ref), fallback=True)
-    x = torch.randn(4, 3)
-    with pytest.warns(RuntimeWarning, match=rf"torch.autograd.Function {__name__}.{WAYS[how][0]} "):
-        out = om(x)
-    torch.testing.assert_close(out, ref(x))
-    out.pow(2).sum().backward()
-    ref(x).pow(2).sum().backward()
-    for (name, p), q in zip(ref.named_parameters(), om.module.parameters()):
-        assert q.grad is not None, name
-        torch.testing.assert_close(q.grad, p.grad)
-
-
-@pytest.mark.parametrize("how", list(WAYS))
-def test_without_grad_the_exported_forward_runs(how):
+def test_without_grad_the_function_runs_forward_only(how):
     _quiet()
     ref = Net(how)
     om = ORTModule(copy.deepcopy(ref))
     x = torch.randn(4, 3)
     with torch.no_grad():
-        torch.testing.assert_close(om(x), ref(x))
-    assert om.exports == 1
+        got = om(x)
+    torch.testing.assert_close(got, ref(x).detach())
+    assert not got.requires_grad and om.exports == 1
+    om.eval()
+    ref.eval()
+    torch.testing.assert_close(om(x), ref(x))
+
+
+# ---------------------------------------------------------------------------- the forms a Function takes
+class Affine(torch.autograd.Function):
+    """Non-tensor arguments: a float, a tuple and None; a scale applied in the backward too."""
+
+    @staticmethod
+    def forward(ctx, x, k, shift, nothing):
+        assert nothing is None and isinstance(shift, tuple)
+        ctx.k = k
+        return x * k + shift[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k * 2, None, None, None
+
+
+class SplitSigns(torch.autograd.Function):
+    """Two outputs, the second without gradient (mark_non_differentiable); gradients not
+    materialized (an output nothing differentiates gives None)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        return x.clamp(min=0), (x > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g, g_mask):
+        (x,) = ctx.saved_tensors
+        return None if g is None else g * (x > 0) * 1.5
+
+
+class DoubleInPlace(torch.autograd.Function):
+    """Changes its input in place (mark_dirty)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 4
+
+
+class ScaledBy(torch.autograd.Function):
+    """Two tensor inputs, one of them a parameter; a gradient for each."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0) * 0.5
+
+
+class Forms(torch.nn.Module):
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.lin = torch.nn.Linear(3, 4)
+        self.out = torch.nn.Linear(4, 2)
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.form == "constants":
+            h = Affine.apply(h, 0.5, (1.0, "x"), None)
+        elif self.form == "two outputs":
+            pos, mask = SplitSigns.apply(h)
+            h = pos + mask
+        elif self.form == "in place":
+            h = DoubleInPlace.apply(h * 1)
+        elif self.form == "twice":
+            h = Triple.apply(Triple.apply(h).tanh())
+        elif self.form == "parameter":
+            h = ScaledBy.apply(h, self.w)
+        elif self.form == "parameter alone":
+            h = h + ScaledBy.apply(self.w.unsqueeze(0), self.w).sum()
+        elif self.form == "no grad inside":
+            with torch.no_grad():
+                gate = Triple.apply(h)
+            h = h * gate
+        elif self.form == "buffer":
+            h = Triple.apply(h) + self.seen
+            if self.training:
+                with torch.no_grad():
+                    self.seen.add_(0.1)
+        return self.out(h.relu() if self.form != "two outputs" else h)
+
+
+FORMS = ["constants", "two outputs", "in place", "twice", "parameter", "parameter alone", "no grad inside"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_of_function_trains_as_in_pytorch(form):
+    _quiet()
+    train_alike(lambda: Forms(form), lambda step: (torch.randn(5, 3) + step,), steps=4)
+
+
+def test_the_forward_twice_before_one_backward():
+    _quiet()
+    torch.manual_seed(0)
+    ref = Forms("parameter")
+    om = ORTModule(copy.deepcopy(ref))
+    a, b = torch.randn(5, 3), torch.randn(2, 3)
+    (om(a).sum() + om(b).pow(2).sum()).backward()
+    (ref(a).sum() + ref(b).pow(2).sum()).backward()
+    for (name, p), q in zip(ref.named_parameters(), om.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert om.exports == 1  # the batch size is not part of the signature
+
+
+def test_functions_on_input_tensors_that_require_grad():
+    _quiet()
+    torch.manual_seed(0)
+    ref = Forms("twice")
+    om = ORTModule(copy.deepcopy(ref))
+    x1 = torch.randn(5, 3, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    om(x1).sum().backward()
+    ref(x2).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+class WrongCount(torch.autograd.Function):
+    """Returns one tensor, or two once ``split`` is set."""
+
+    split = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 2, x + 1) if WrongCount.split else x * 2
+
+    @staticmethod
+    def backward(ctx, *g):
+        return g[0] * 2
+
+
+class Changing(torch.nn.Module):
+    def forward(self, x):
+        out = WrongCount.apply(x * 1)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_a_function_that_returns_another_number_of_tensors_than_traced_is_named():
+    _quiet()
+    om = ORTModule(Changing())
+    om(torch.randn(2, 3, requires_grad=True))
+    WrongCount.split = True
+    try:
+        with pytest.raises(ExportError, match=rf"{__name__}.WrongCount \(applied at .*\) returned 2 tensors where "
+                                              "it returned 1 when traced"):
+            om(torch.randn(2, 3, requires_grad=True))
+    finally:
+        WrongCount.split = False
 
 
 class Detached(torch.nn.Module):

@@ -123,7 +123,7 @@ def cut_model(model, cuts, loss: str, weights: Iterable[str]) -> list[Stage]:
     g = _Graph(proto, weights, loss)
     stage = _assign(g, cuts)
     _check(g, cuts, stage)
-    types = _inferred_types(proto)
+    types = inferred_types(proto)
     boundary = [list(dict.fromkeys(e.value for e in cut)) for cut in cuts]
     return [_stage(g, s, stage, boundary, types) for s in range(len(cuts) + 1)]
 
@@ -262,7 +262,7 @@ def _check(g: _Graph, cuts: list[list[CutEdge]], stage: list[int | None]) -> Non
                                        f"are not supported: cut so that every node reading '{w}' is in one stage")
 
 
-def _inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+def inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Value name -> type from onnx shape inference, run on a copy of the graph that holds
     only the small initializers' data (the large ones are typed inputs)."""
     head = onnx.ModelProto(ir_version=max(proto.ir_version, 4))
@@ -377,7 +377,7 @@ def balanced_cuts(model, stages: int, loss: str, weights: Iterable[str]) -> list
     tied = np.zeros(n + 1, np.int64)
     flops = np.zeros(n, np.float64)
     param_bytes = np.zeros(n, np.float64)
-    types = _inferred_types(proto)
+    types = inferred_types(proto)
     for w in g.weights:
         readers = sorted(position[r] for r in g.readers.get(w, []) if r in position)
         if readers:

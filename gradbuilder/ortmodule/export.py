@@ -72,6 +72,7 @@ class Exported:
     stop_gradients: list[str] = dataclasses.field(default_factory=list)  # values no gradient flows through
     shapes: tuple = ()  # the traced call's tensor shapes
     functions: list[str] = dataclasses.field(default_factory=list)  # autograd Functions the call applied
+    calls: list = dataclasses.field(default_factory=list)  # FunctionCall per FunctionBreak node, by index
     torch_exported: bytes | None = None  # torch.onnx.export's own model, when kept
 
 
@@ -158,6 +159,7 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     model = onnx.load_from_string(data)
     exported = _exported(model, module, leaves, flat, sized)
     exported.functions = watch.functions
+    exported.calls = watch.calls
     exported.torch_exported = data if keep_torch_export else None
     return exported
 
@@ -180,7 +182,8 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
     flat.training = module.training  # the exporter restores the wrapper's mode on its children
     f = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
-    with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch):
+    with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch), \
+            _breaking_at_functions(watch):
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
@@ -394,6 +397,8 @@ class _Watch:
     functions: list[str] = dataclasses.field(default_factory=list)
     stops: list[str] = dataclasses.field(default_factory=list)  # where a gradient was cut
     in_place: list[str] = dataclasses.field(default_factory=list)  # changes autograd does not see
+    calls: list = dataclasses.field(default_factory=list)  # the Functions applied, as FunctionBreak nodes
+    inside: int = 0  # > 0 while a Function's own forward runs: PyTorch runs it, nothing to watch
 
 
 @contextlib.contextmanager
@@ -409,7 +414,7 @@ def _watching(watch: _Watch):
     does not: other sizes are checked by tracing again (see ``export``)."""
     def conversion(name, original):
         def method(self, *args, **kwargs):
-            if torch._C._get_tracing_state() is not None and _reads_values(self):
+            if torch._C._get_tracing_state() is not None and not watch.inside and _reads_values(self):
                 watch.value_reads.append(f"{_where(sys._getframe(1))} (Tensor.{name})")
             return original(self, *args, **kwargs)
         return method
@@ -426,6 +431,88 @@ def _watching(watch: _Watch):
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
+
+
+BREAK = "FunctionBreak"  # the node (domain STOP_DOMAIN) standing for a Function's application
+
+
+@dataclasses.dataclass
+class FunctionCall:
+    """One application of a ``torch.autograd.Function`` in the traced call, which runs in
+    PyTorch between the onnxruntime graphs (a graph break): the Function, its arguments as the
+    tracer recorded them (``cconv``: ``d`` a tensor, ``c`` a constant from ``constants``), and the
+    place that applied it. ``inputs``/``outputs`` name its tensors in the exported graph."""
+
+    function: type
+    cconv: str
+    constants: list
+    where: str
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+    def __call__(self, tensors: list) -> list:
+        """The Function applied to ``tensors`` (and its constants): its tensor outputs."""
+        given, constants = iter(tensors), iter(self.constants)
+        out = self.function.apply(*[next(given) if kind == "d" else next(constants) for kind in self.cconv])
+        return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _breaking_at_functions(watch: _Watch):
+    """While tracing, each application of a ``torch.autograd.Function`` (other than ours) is
+    exported as one ``STOP_DOMAIN::FunctionBreak`` node (attribute ``index`` into
+    ``watch.calls``) instead of its forward inlined; its forward runs as usual to trace what
+    follows, with ``watch.inside`` counting (what it does is PyTorch's to run, not ours to watch)."""
+    def symbolic(g, *args, **kwargs):
+        node = g.original_node
+        cls = getattr(node.pyobj(), "__self__", None)
+        values = [a for a in args if isinstance(a, torch._C.Value)]
+        if cls is _StopGradient:
+            return _StopGradient.symbolic(g, *values, *node.scalar_args())
+        watch.calls.append(FunctionCall(cls, node.cconv(), list(node.scalar_args()), _traced_at(node)))
+        outs = g.op(f"{STOP_DOMAIN}::{BREAK}", *values, index_i=len(watch.calls) - 1, outputs=node.outputsSize())
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for out, traced in zip(outs, node.outputs()):  # the traced dtype and rank; every size dynamic
+            kind = traced.type()
+            out.setType(kind.with_sizes([None] * kind.dim()) if kind.dim() is not None else kind)
+        return outs if len(outs) > 1 else outs[0]
+
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls is _StopGradient or torch._C._get_tracing_state() is None or watch.inside:
+            return original.__func__(cls, *args, **kwargs)
+        watch.inside += 1
+        try:
+            result = original.__func__(cls, *args, **kwargs)
+        finally:
+            watch.inside -= 1
+        # an output PyTorch gives no gradient (grad mode off, mark_non_differentiable) is marked
+        # as _GradientStops marks one: no gradient flows through it in the graphs after the break
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))):
+            return result
+
+        def cut(t):
+            return isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad
+
+        if not any(cut(t) for t in pytree.tree_leaves(result)):
+            return result
+        where = (f"{_where(sys._getframe(1))} ({cls.__qualname__}.apply"
+                 f"{'' if torch.is_grad_enabled() else ' with grad mode off'})")
+        watch.stops.append(where)
+        return pytree.tree_map_only(torch.Tensor, lambda t: _StopGradient.apply(t, where) if cut(t) else t, result)
+
+    torch.onnx.register_custom_op_symbolic("prim::PythonOp", symbolic, 1)
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+        torch.onnx.unregister_custom_op_symbolic("prim::PythonOp", 1)
 
 
 def _functions(graph) -> list[str]:
@@ -535,7 +622,7 @@ class _GradientStops(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._get_tracing_state() is None:
+        if torch._C._get_tracing_state() is None or self.watch.inside:
             return func(*args, **kwargs)
         data = func == _DATA
         if data:

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from ..errors import ExportError, GradBuilderError, InvalidArgumentError
 from .export import Output, export
 from .options import DebugOptions, logger
+from . import breaks
 from .compiled import Compiled, ORTFunction
 
 _S = ort.capi.onnxruntime_pybind11_state
@@ -133,19 +134,17 @@ class ORTModule(torch.nn.Module):
             with torch.set_grad_enabled(needs_grad), self._module_runs():
                 exported = export(self.module, leaves, spec, verbose=self._debug.log_level == 0,
                                   keep_torch_export=self._debug.save_onnx)
-            if needs_grad and exported.functions:
-                raise ExportError(
-                    f"{what} applies the torch.autograd.Function {exported.functions[0]}: torch's exporter "
-                    "exports its forward only (inlined, or as the op its symbolic() names), so the gradient would not "
-                    "be the one its backward defines. "
-                    "Pass fallback=True to ORTModule to run the module in PyTorch, or write that part with "
-                    "ordinary torch operations")
             wrt = []
             if needs_grad:
                 tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
                 wrt = [n for n, i in exported.inputs.items()
                        if tensors[i].requires_grad and tensors[i].is_floating_point()]
                 wrt += [n for n, s in exported.state.items() if s in params and params[s].requires_grad]
+            if exported.calls:  # graph breaks: onnxruntime between the Functions, PyTorch runs them
+                steps = breaks.cut(exported, set(wrt))
+                return breaks.Broken(exported, steps, lambda segment: Compiled(
+                    segment.exported, segment.wrt if needs_grad else [], device, self._debug, number,
+                    self._session_options, self._saved_files))
             return Compiled(exported, wrt, device, self._debug, number, self._session_options, self._saved_files)
         except GradBuilderError as exc:
             if not self._fallback:
@@ -182,13 +181,17 @@ class ORTModule(torch.nn.Module):
         where the exported graph fixed a size)."""
         return self._exports
 
-    def _call(self, compiled: Compiled, leaves, params, buffers):
+    def _call(self, compiled: Compiled | breaks.Broken, leaves, params, buffers):
         ex = compiled.exported
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         state = {**params, **buffers}
         names = list(ex.inputs) + list(ex.state)
         values = [tensors[i] for i in ex.inputs.values()] + [state[s] for s in ex.state.values()]
-        outs = ORTFunction.apply(compiled, names, *values)
+        if isinstance(compiled, breaks.Broken):
+            env = compiled.run(dict(zip(names, values)))
+            outs = [env[n] for n in ex.outputs] + [env[n] for n in ex.running]
+        else:
+            outs = ORTFunction.apply(compiled, names, *values)
         n = len(ex.outputs)
         if ex.running and self.module.training:
             with torch.no_grad():

@@ -1,0 +1,187 @@
+"""Graph breaks: a module whose call applies ``torch.autograd.Function``s runs as onnxruntime
+graphs with PyTorch between them.
+
+The exporter writes each application as one ``FunctionBreak`` node (``export.FunctionCall``).
+The graph is cut around those nodes into segments. A node's segment is the latest segment of
+the values it reads, where a value a break returns belongs to the segment after the one its
+own inputs were ready in; a break runs once the segment its inputs come from has run.
+Constants are copied into each segment that reads them. Each segment is compiled like a whole
+module (its own forward and backward graphs, ``compiled.Compiled``) and runs as an
+``ORTFunction``; the Functions run through their own ``apply``. PyTorch's autograd chains them
+all, so a Function's backward is the one it defines and the gradients reach the parameters of
+the segments before it. Tensors cross as DLPack views, without copies.
+
+Each break costs a return to Python, the Function's own forward and backward in PyTorch, and
+one more onnxruntime run each way for the segment after it; the segments are optimized apart
+(onnxruntime fuses nothing across a break).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+
+from ..compiler import modelio
+from ..compiler.cuts import inferred_types
+from ..dtypes import FLOAT_TENSOR_TYPES
+from ..errors import ExportError
+from .export import BREAK, STOP_DOMAIN, Exported, FunctionCall
+from .options import logger
+
+
+@dataclasses.dataclass
+class Segment:
+    """The nodes of one segment as a model in ``Exported``'s form: ``exported.model`` reads
+    ``inputs`` and returns ``exported.outputs``; ``wrt`` are the inputs it differentiates."""
+
+    exported: Exported
+    inputs: list[str]
+    wrt: list[str]
+
+
+def is_break(node: onnx.NodeProto) -> bool:
+    return node.domain == STOP_DOMAIN and node.op_type == BREAK
+
+
+def cut(ex: Exported, wrt: set[str]) -> list:
+    """The steps of ``ex`` in run order: Segments and FunctionCalls (their ``inputs`` and
+    ``outputs`` filled in). ``wrt`` are the module's graph inputs that take gradients; every
+    float value a Function or a segment hands on may take one too."""
+    graph = ex.model.graph
+    nodes = list(graph.node)
+    reads = [modelio.node_reads(n) for n in nodes]
+    constants = {t.name for t in graph.initializer}
+    constant = []
+    for node, r in zip(nodes, reads):
+        is_constant = not is_break(node) and (node.op_type == "Constant" or (bool(r) and r <= constants))
+        constant.append(is_constant)
+        if is_constant:
+            constants.update(node.output)
+    level: dict[str, int] = {}  # value -> the segment it is ready after
+    segment_of: dict[int, int] = {}  # node -> its segment (constants: none, breaks: the one before them)
+    breaks_after: dict[int, list[FunctionCall]] = {}
+    for i, (node, r) in enumerate(zip(nodes, reads)):
+        if constant[i]:
+            continue
+        s = segment_of[i] = max((level.get(v, 0) for v in r), default=0)
+        if is_break(node):
+            call = ex.calls[next(a.i for a in node.attribute if a.name == "index")]
+            call.inputs, call.outputs = list(node.input), list(node.output)
+            breaks_after.setdefault(s, []).append(call)
+            s += 1
+        for o in node.output:
+            level[o] = s
+    last = max(list(level.values()) + [0])
+    types = inferred_types(_without_breaks(ex.model))
+    graph_outputs = {o.name for o in graph.output}
+    steps: list = []
+    for s in range(last + 1):
+        mine = [i for i, st in segment_of.items() if st == s and not is_break(nodes[i])]
+        # read after this segment: by later segments, and by the breaks after it or later
+        later = set().union(*(reads[i] for i, st in segment_of.items() if st > s or (st == s and is_break(nodes[i]))))
+        if mine:
+            steps.append(_segment(ex, nodes, reads, constant, sorted(mine), s, later | graph_outputs, types, wrt))
+        steps += breaks_after.get(s, [])
+    return steps
+
+
+def _without_breaks(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without its break nodes, whose outputs become typed inputs (shape inference
+    knows no FunctionBreak)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    typed = {v.name: v for v in graph.value_info}
+    kept = [n for n in graph.node if not is_break(n)]
+    cut_outputs = [o for n in graph.node if is_break(n) for o in n.output]
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.input.extend(typed[o] for o in cut_outputs if o in typed)
+    return copy
+
+
+def _segment(ex: Exported, nodes, reads, constant, mine: list[int], s: int, read_later: set[str], types,
+             module_wrt: set[str]) -> Segment:
+    graph = ex.model.graph
+    needed = set().union(*(reads[i] for i in mine))
+    copied = []
+    for i in reversed(range(len(nodes))):
+        if constant[i] and any(o in needed for o in nodes[i].output):
+            copied.append(i)
+            needed |= reads[i]
+    produced = {o for i in mine + copied for o in nodes[i].output}
+    initializers = {t.name for t in graph.initializer}
+    inputs = [v for v in dict.fromkeys(v for i in mine for v in sorted(reads[i]))
+              if v not in produced and v not in initializers]
+    outputs = [o for i in mine for o in nodes[i].output if o and o in read_later]
+    declared = {v.name: v for v in (*graph.input, *graph.output, *graph.value_info)}
+
+    def info(name: str) -> onnx.ValueInfoProto:
+        if name in declared and declared[name].type.WhichOneof("value"):
+            return declared[name]
+        return onnx.helper.make_value_info(name, types[name]) if name in types else \
+            onnx.helper.make_empty_tensor_value_info(name)
+
+    def is_float(name: str) -> bool:
+        return info(name).type.tensor_type.elem_type in FLOAT_TENSOR_TYPES
+
+    fed = set(ex.inputs) | set(ex.state)  # the module's own inputs: only those that take gradients
+    wrt = [v for v in inputs if is_float(v) and (v in module_wrt or v not in fed)]
+    grads = set(wrt)  # which outputs depend on them
+    for i in sorted(mine + copied):
+        if reads[i] & grads:
+            grads.update(nodes[i].output)
+    body = onnx.helper.make_graph(
+        [nodes[i] for i in sorted(mine + copied)], f"{graph.name}_segment{s}",
+        [info(v) for v in inputs], [info(v) for v in outputs],
+        [t for t in graph.initializer if t.name in needed],
+        value_info=[v for v in graph.value_info if v.name in produced and v.name not in outputs])
+    model = onnx.helper.make_model(body, opset_imports=[o for o in ex.model.opset_import if o.domain != STOP_DOMAIN],
+                                   ir_version=ex.model.ir_version, functions=list(ex.model.functions))
+    part = dataclasses.replace(
+        ex, model=model, inputs={}, state={}, outputs=outputs,
+        differentiable=[o in grads and is_float(o) for o in outputs], running={}, batch_counters=[],
+        stop_gradients=[v for v in ex.stop_gradients if v in produced], functions=[], calls=[], torch_exported=None)
+    return Segment(part, inputs, wrt)
+
+
+def describe(steps: list) -> str:
+    """Where the breaks are and what crosses them, for the log."""
+    lines = []
+    for step in steps:
+        if isinstance(step, FunctionCall):
+            lines.append(f"graph break at {step.name} (applied at {step.where}): {len(step.inputs)} tensors into "
+                         f"PyTorch, {len(step.outputs)} back")
+        else:
+            lines.append(f"onnxruntime segment of {len(step.exported.model.graph.node)} nodes")
+    return "; ".join(lines)
+
+
+class Broken:
+    """A signature whose module applies Functions: its steps, each segment compiled."""
+
+    def __init__(self, exported: Exported, steps: list, compile_segment):
+        self.exported = exported
+        self.steps = [(step, compile_segment(step)) if isinstance(step, Segment) else (step, None) for step in steps]
+        logger.info("ORTModule: %s", describe(steps))
+
+    def run(self, values: dict) -> dict:
+        """Every value the steps compute, from the module's graph inputs ``values`` (name -> tensor)."""
+        from .compiled import ORTFunction
+
+        env = dict(values)
+        for step, compiled in self.steps:
+            if compiled is None:
+                outs = step([env[n] for n in step.inputs])
+                if len(outs) != len(step.outputs):
+                    raise ExportError(
+                        f"the torch.autograd.Function {step.name} (applied at {step.where}) returned {len(outs)} "
+                        f"tensors where it returned {len(step.outputs)} when traced: for one input signature a "
+                        "Function must return the same tensors; pass fallback=True to ORTModule to run the module "
+                        "in PyTorch")
+            else:
+                outs = ORTFunction.apply(compiled, step.inputs, *[env[n] for n in step.inputs])
+                outs = outs[:len(step.exported.outputs)]
+            env.update(zip(step.outputs if compiled is None else step.exported.outputs, outs))
+        return env
