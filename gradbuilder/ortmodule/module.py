@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import inspect
 import warnings
 
@@ -20,6 +19,27 @@ from .compiled import Compiled, ORTFunction
 
 _S = ort.capi.onnxruntime_pybind11_state
 _OrtFail = (RuntimeError, _S.Fail, _S.InvalidArgument, _S.RuntimeException)  # a failed onnxruntime run
+
+
+class _ForwardAttribute:
+    """``ORTModule.forward``: on an instance, its ``_Forward`` (made once, kept in the instance's
+    ``__dict__``, so that an assignment replaces it); on the class, a plain function (tools such
+    as transformers' ``find_labels`` inspect the class's ``forward``, which cannot know the
+    wrapped module's arguments)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return _forward_of_the_class
+        made = instance.__dict__[self.name] = _Forward(instance)
+        return made
+
+
+def _forward_of_the_class(self, *args, **kwargs):
+    """The ORTModule's call (see ``ORTModule``)."""
+    return self.forward(*args, **kwargs)
 
 
 class ORTModule(torch.nn.Module):
@@ -73,12 +93,10 @@ class ORTModule(torch.nn.Module):
         self.register_load_state_dict_post_hook(_state_dict_names)
 
     # ------------------------------------------------------------------ the module's face
-    @functools.cached_property
-    def forward(self):
-        """Runs the module's forward and backward in onnxruntime; its signature is the module's
-        forward's (tools read it: transformers' Trainer keeps the dataset columns it names).
-        Assigning ``forward`` replaces it, as on any module."""
-        return _Forward(self)
+    # Runs the module's forward and backward in onnxruntime; its signature is the module's
+    # forward's (tools read it: transformers' Trainer keeps the dataset columns it names).
+    # Assigning ``forward`` replaces it, as on any module.
+    forward = _ForwardAttribute()
 
     def _run(self, *args, **kwargs):
         _refuse_data_parallel(self)
