@@ -11,10 +11,10 @@ output that does not require grad in PyTorch (an integer result, a ``detach()``)
 gradient here either.
 
 While tracing, ``_watching`` records a tensor's value handed to Python (``.item()``,
-``bool()``, ``int()``, ...), which a single exported graph cannot follow. The
-``torch.autograd.Function`` classes the call applied, whose forward the exporter keeps and whose
-backward it drops, are read from the traced graph (``_functions``), however the module's code
-reached them.
+``bool()``, ``int()``, ...), which a single exported graph cannot follow. Each application of a
+``torch.autograd.Function`` is exported as one ``FunctionBreak`` node (``_breaking_at_functions``,
+``FunctionCall``): PyTorch runs the Function between the graphs around it (``breaks.py``); the
+classes applied are also listed from the traced graph (``_functions``) for the log.
 
 The exporter drops what cuts a gradient in PyTorch (``detach()`` becomes the identity, a
 ``torch.no_grad()`` block inside the forward leaves no trace). ``_GradientStops`` marks, while

@@ -60,6 +60,8 @@ class ORTModule(torch.nn.Module):
     a method of the module that calls ``self(x)`` runs in onnxruntime. Forward and backward hooks
     on the ORTModule itself run; hooks on inner modules do not (their code runs in onnxruntime).
 
+    A ``torch.autograd.Function`` the module applies runs in PyTorch with its own backward, between
+    onnxruntime graphs cut around it (a graph break, see ``breaks``).
     ``fallback=True`` runs the module in PyTorch, with a warning, for a signature whose export or
     gradient graph fails; by default that raises an error naming the operator or construct.
     ``session_options`` (an ``onnxruntime.SessionOptions``) is copied for both sessions.
