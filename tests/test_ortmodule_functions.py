@@ -340,3 +340,56 @@ def test_the_marks_of_cut_gradients_are_not_counted_as_functions():
     om(x).sum().backward()
     ref(x).sum().backward()
     torch.testing.assert_close(om.module.lin.weight.grad, ref.lin.weight.grad)
+
+
+# ---------------------------------------------------------------------------- operations torch cannot export
+class Differences(torch.nn.Module):
+    """``torch.diff``, which torch's exporter cannot export at opset 17, between two Linears; its
+    arguments are a constant, a negative dimension and a tensor computed in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 5)
+        self.out = torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = self.lin(x).tanh()
+        return self.out(torch.diff(h, n=1, dim=-1, prepend=h[:, :1] * 0.5))
+
+
+def test_an_operation_the_exporter_cannot_export_is_refused_by_default():
+    _quiet()
+    with pytest.raises(ExportError, match=r"aten::diff.*graph_breaks=True.*fallback=True"):
+        ORTModule(Differences())(torch.randn(3, 4))
+
+
+def test_with_graph_breaks_the_operation_runs_in_pytorch(caplog):
+    _quiet()
+    with caplog.at_level(logging.INFO, logger="gradbuilder.ortmodule"):
+        om = train_alike(Differences, lambda step: (torch.randn(3 + step, 4),), steps=3, graph_breaks=True,
+                         debug_options=DebugOptions(log_level=LogLevel.INFO))
+    assert om.exports == 1
+    line = _line(Differences.forward, "torch.diff(")
+    assert any(f"graph break at the PyTorch operation aten::diff (applied at {__file__}:{line})" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    with torch.no_grad():
+        x = torch.randn(2, 4)
+        ref = copy.deepcopy(om.module)
+        torch.testing.assert_close(om(x), Differences.forward(ref, x))
+
+
+def test_torch_exports_outside_ortmodule_are_left_as_they_were():
+    """After ORTModule's traces, torch's own exporter still inlines a Function's forward and still
+    refuses torch.diff with its own error."""
+    import io
+
+    _quiet()
+    ORTModule(Differences(), graph_breaks=True)(torch.randn(3, 4))
+    ORTModule(Net("attribute"))(torch.randn(3, 3)).sum().backward()
+    with pytest.raises(torch.onnx.errors.UnsupportedOperatorError, match="aten::diff"):
+        torch.onnx.export(Differences(), (torch.randn(3, 4),), io.BytesIO(), dynamo=False, opset_version=17)
+    f = io.BytesIO()
+    torch.onnx.export(Net("attribute"), (torch.randn(3, 3),), f, dynamo=False, opset_version=17)
+    import onnx
+
+    assert "FunctionBreak" not in {n.op_type for n in onnx.load_from_string(f.getvalue()).graph.node}

@@ -125,15 +125,28 @@ class _Flat(torch.nn.Module):
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_UNSUPPORTED = re.compile(r"Exporting the operator '(aten::\w+)' to ONNX opset version \d+ is not supported")
 _TO_NUMBER = re.compile(r"Converting a tensor to a Python (number|index|integer|list)")
 _TRACING = threading.RLock()  # one trace at a time: _watching replaces methods of torch's classes
 
 
 def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
-           keep_torch_export: bool = False) -> Exported:
+           keep_torch_export: bool = False, graph_breaks: bool = False) -> Exported:
+    """The call exported. ``graph_breaks``: an operation torch's exporter cannot export runs in
+    PyTorch between the graphs (as a Function does) instead of failing the export."""
     what = type(module).__name__
     watch = _Watch()
-    data, caught, flat = _trace(module, leaves, spec, verbose, watch)
+    ops: frozenset = frozenset()
+    while True:
+        try:
+            data, caught, flat = _trace(module, leaves, spec, verbose, watch, ops)
+            break
+        except ExportError as exc:
+            unsupported = _UNSUPPORTED.search(str(exc.__cause__ or ""))
+            if not graph_breaks or unsupported is None or unsupported.group(1) in ops:
+                raise
+            ops |= {unsupported.group(1)}
+            watch = _Watch()
     for w in caught:
         logger.debug("ORTModule: export of %s: %s: %s (%s:%d)", what, w.category.__name__, w.message, w.filename,
                      w.lineno)
@@ -149,7 +162,7 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     sized = None
     if any(issubclass(w.category, torch.jit.TracerWarning) and _TO_NUMBER.search(str(w.message)) for w in caught):
         try:
-            other, _, _ = _trace(module, [_other_sizes(x) for x in leaves], spec, False)
+            other, _, _ = _trace(module, [_other_sizes(x) for x in leaves], spec, False, ops=ops)
         except ExportError:
             other = None  # the module takes no other sizes: nothing to compare
         if other is not None and _structure(other) != _structure(data):
@@ -172,9 +185,10 @@ def _refuse(what: str, places: list[str], why: str) -> None:
                           "module in PyTorch")
 
 
-def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
-    """torch.onnx.export of the call with these leaves: the model bytes, the warnings, and
-    the wrapper that recorded the output's structure."""
+def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None, ops: frozenset = frozenset()):
+    """torch.onnx.export of the call with these leaves (``ops``: operations that run in PyTorch,
+    as graph breaks): the model bytes, the warnings, and the wrapper that recorded the
+    output's structure."""
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     names = [f"input_{i}" for i in range(len(tensors))]
     watch = watch or _Watch()
@@ -183,7 +197,7 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
     f = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
     with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch), \
-            _breaking_at_functions(watch):
+            _breaking_at_functions(watch, ops):
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
@@ -196,8 +210,8 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None):
             raise ExportError(
                 f"torch.onnx.export (TorchScript exporter, opset {OPSET}) could not export {type(module).__name__}: "
                 f"{type(exc).__name__}: {_first_lines(str(exc))}. If an operator is unsupported, rewrite that "
-                "part of the module with supported operators, or pass fallback=True to ORTModule to run the "
-                "module in PyTorch") from exc
+                "part of the module with supported operators, pass graph_breaks=True to ORTModule to run it in "
+                "PyTorch between onnxruntime graphs, or fallback=True to run the module in PyTorch") from exc
     return f.getvalue(), list(caught), flat
 
 
@@ -452,34 +466,67 @@ class FunctionCall:
 
     @property
     def name(self) -> str:
-        return f"{self.function.__module__}.{self.function.__qualname__}"
+        if isinstance(self.function, type):
+            return f"{self.function.__module__}.{self.function.__qualname__}"
+        return f"the PyTorch operation {self.function._qualified_op_name}"
 
     def __call__(self, tensors: list) -> list:
-        """The Function applied to ``tensors`` (and its constants): its tensor outputs."""
+        """The Function (or operation) applied to ``tensors`` and its constants: its tensor outputs."""
         given, constants = iter(tensors), iter(self.constants)
-        out = self.function.apply(*[next(given) if kind == "d" else next(constants) for kind in self.cconv])
+        run = self.function.apply if isinstance(self.function, type) else self.function
+        out = run(*[next(given) if kind == "d" else next(constants) for kind in self.cconv])
         return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
 
 
+def _op_arguments(op: str, args) -> tuple[str, list]:
+    """(cconv, constants) of an operation's traced arguments: a value the trace made constant is
+    read back as the Python value its schema's argument takes (int, float, bool, a list, None,
+    or a tensor); every other value is a tensor computed in the graph."""
+    schemas = [s for s in torch._C._jit_get_schemas_for_operator(op)
+               if not any(a.is_out for a in s.arguments) and len(s.arguments) >= len(args)]
+    kinds = [str(a.type) for a in schemas[0].arguments] if schemas else ["Tensor"] * len(args)
+    cconv, constants = "", []
+    for value, kind in zip(args, kinds):
+        if not isinstance(value, torch._C.Value):
+            cconv, constants = cconv + "c", constants + [value]
+        elif value.node().kind() == "prim::Constant" and value.node().mustBeNone():
+            cconv, constants = cconv + "c", constants + [None]
+        elif value.node().kind() == "onnx::Constant":
+            data = value.node().t("value")
+            python = data if "Tensor" in kind else data.item() if data.dim() == 0 else data.tolist()
+            cconv, constants = cconv + "c", constants + [python]
+        else:
+            cconv += "d"
+    return cconv, constants
+
+
+def _break_node(g, node, watch: _Watch, call: FunctionCall, values: list):
+    """The ``FunctionBreak`` node of ``call`` (recorded in ``watch.calls``), typed as traced
+    with every size dynamic."""
+    watch.calls.append(call)
+    outs = g.op(f"{STOP_DOMAIN}::{BREAK}", *values, index_i=len(watch.calls) - 1, outputs=node.outputsSize())
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    for out, traced in zip(outs, node.outputs()):
+        kind = traced.type()
+        out.setType(kind.with_sizes([None] * kind.dim()) if kind.dim() is not None else kind)
+    return outs if len(outs) > 1 else outs[0]
+
+
 @contextlib.contextmanager
-def _breaking_at_functions(watch: _Watch):
+def _breaking_at_functions(watch: _Watch, ops: frozenset = frozenset()):
     """While tracing, each application of a ``torch.autograd.Function`` (other than ours) is
     exported as one ``STOP_DOMAIN::FunctionBreak`` node (attribute ``index`` into
     ``watch.calls``) instead of its forward inlined; its forward runs as usual to trace what
-    follows, with ``watch.inside`` counting (what it does is PyTorch's to run, not ours to watch)."""
+    follows, with ``watch.inside`` counting (what it does is PyTorch's to run, not ours to watch).
+    So is each call of the operations ``ops`` (``aten::diff``, ...: ``graph_breaks=True``)."""
     def symbolic(g, *args, **kwargs):
         node = g.original_node
         cls = getattr(node.pyobj(), "__self__", None)
         values = [a for a in args if isinstance(a, torch._C.Value)]
         if cls is _StopGradient:
             return _StopGradient.symbolic(g, *values, *node.scalar_args())
-        watch.calls.append(FunctionCall(cls, node.cconv(), list(node.scalar_args()), _traced_at(node)))
-        outs = g.op(f"{STOP_DOMAIN}::{BREAK}", *values, index_i=len(watch.calls) - 1, outputs=node.outputsSize())
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        for out, traced in zip(outs, node.outputs()):  # the traced dtype and rank; every size dynamic
-            kind = traced.type()
-            out.setType(kind.with_sizes([None] * kind.dim()) if kind.dim() is not None else kind)
-        return outs if len(outs) > 1 else outs[0]
+        return _break_node(g, node, watch, FunctionCall(cls, node.cconv(), list(node.scalar_args()),
+                                                        _traced_at(node)), values)
 
     original = torch.autograd.Function.__dict__["apply"]
 
@@ -507,12 +554,44 @@ def _breaking_at_functions(watch: _Watch):
         return pytree.tree_map_only(torch.Tensor, lambda t: _StopGradient.apply(t, where) if cut(t) else t, result)
 
     torch.onnx.register_custom_op_symbolic("prim::PythonOp", symbolic, 1)
+    for name in ops - _OPERATIONS.registered:  # kept: the exporter cannot take an operation's back
+        torch.onnx.register_custom_op_symbolic(name, _operation_symbolic(name), 1)
+        _OPERATIONS.registered.add(name)
     torch.autograd.Function.apply = classmethod(apply)
+    _OPERATIONS.watch, _OPERATIONS.ops = watch, ops
     try:
         yield
     finally:
+        _OPERATIONS.watch, _OPERATIONS.ops = None, frozenset()
         torch.autograd.Function.apply = original
         torch.onnx.unregister_custom_op_symbolic("prim::PythonOp", 1)
+
+
+class _Operations(threading.local):
+    """The operations exported as breaks: registered once (the exporter's registry cannot undo
+    a registration), active only in a trace that asked for them (``ops`` of its ``watch``)."""
+
+    registered: set = set()  # shared by every thread, as the exporter's registry is
+    watch: _Watch | None = None
+    ops: frozenset = frozenset()
+
+
+_OPERATIONS = _Operations()
+
+
+def _operation_symbolic(name: str):
+    """The symbolic of an operation that runs in PyTorch: a break node where the trace asked
+    for it, else the exporter's own error for an operation it does not support."""
+    def symbolic(g, *args, **kwargs):
+        watch = _OPERATIONS.watch
+        if watch is None or name not in _OPERATIONS.ops:
+            raise torch.onnx.errors.UnsupportedOperatorError(name, g.opset, None)
+        node = g.original_node
+        cconv, constants = _op_arguments(name, args)
+        namespace, op = name.split("::")
+        call = FunctionCall(getattr(getattr(torch.ops, namespace), op), cconv, constants, _traced_at(node))
+        return _break_node(g, node, watch, call, [a for a, k in zip(args, cconv) if k == "d"])
+    return symbolic
 
 
 def _functions(graph) -> list[str]:

@@ -62,8 +62,10 @@ class ORTModule(torch.nn.Module):
 
     A ``torch.autograd.Function`` the module applies runs in PyTorch with its own backward, between
     onnxruntime graphs cut around it (a graph break, see ``breaks``).
-    ``fallback=True`` runs the module in PyTorch, with a warning, for a signature whose export or
-    gradient graph fails; by default that raises an error naming the operator or construct.
+    ``graph_breaks=True`` does the same for an operation torch's exporter cannot export (it runs
+    in PyTorch, with PyTorch's gradient, instead of failing the export). ``fallback=True`` runs
+    the module in PyTorch, with a warning, for a signature whose export or gradient graph fails;
+    by default that raises an error naming the operator or construct.
     ``session_options`` (an ``onnxruntime.SessionOptions``) is copied for both sessions.
 
     Wrap before ``DistributedDataParallel``: ``DDP(ORTModule(model))``. ``torch.nn.DataParallel``
@@ -71,7 +73,7 @@ class ORTModule(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
-                 fallback: bool = False, session_options=None):
+                 fallback: bool = False, graph_breaks: bool = False, session_options=None):
         if isinstance(module, torch.nn.DataParallel):
             raise InvalidArgumentError(_DATA_PARALLEL)
         if isinstance(module, ORTModule):
@@ -85,6 +87,7 @@ class ORTModule(torch.nn.Module):
         self._debug = debug_options if debug_options is not None else DebugOptions()
         self._debug.apply_logging()
         self._fallback = bool(fallback)
+        self._graph_breaks = bool(graph_breaks)
         self._session_options = session_options
         self._compiled: dict = {}  # signature -> Compiled, "fallback", or {input shapes: Compiled}
         self._exports = 0
@@ -153,7 +156,7 @@ class ORTModule(torch.nn.Module):
             # traced under the call's grad mode: the outputs then require grad as in PyTorch
             with torch.set_grad_enabled(needs_grad), self._module_runs():
                 exported = export(self.module, leaves, spec, verbose=self._debug.log_level == 0,
-                                  keep_torch_export=self._debug.save_onnx)
+                                  keep_torch_export=self._debug.save_onnx, graph_breaks=self._graph_breaks)
             wrt = []
             if needs_grad:
                 tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
