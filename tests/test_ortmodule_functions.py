@@ -218,6 +218,20 @@ class ScaledBy(torch.autograd.Function):
         return g * w, (g * x).sum(0) * 0.5
 
 
+class Product(torch.autograd.Function):
+    """x * y with a backward scaled by 0.75: applied to one tensor twice, its two gradients add up."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y * 0.75, g * x * 0.75
+
+
 class Forms(torch.nn.Module):
     def __init__(self, form: str):
         super().__init__()
@@ -240,6 +254,9 @@ class Forms(torch.nn.Module):
             h = Triple.apply(Triple.apply(h).tanh())
         elif self.form == "parameter":
             h = ScaledBy.apply(h, self.w)
+        elif self.form == "shared input":
+            t = h.tanh()
+            h = Product.apply(t, t)
         elif self.form == "parameter alone":
             h = h + ScaledBy.apply(self.w.unsqueeze(0), self.w).sum()
         elif self.form == "no grad inside":
@@ -254,7 +271,8 @@ class Forms(torch.nn.Module):
         return self.out(h.relu() if self.form != "two outputs" else h)
 
 
-FORMS = ["constants", "two outputs", "in place", "twice", "parameter", "parameter alone", "no grad inside"]
+FORMS = ["constants", "two outputs", "in place", "twice", "shared input", "parameter", "parameter alone",
+         "no grad inside"]
 
 
 @pytest.mark.parametrize("form", FORMS)
