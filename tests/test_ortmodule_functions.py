@@ -411,3 +411,18 @@ def test_torch_exports_outside_ortmodule_are_left_as_they_were():
     import onnx
 
     assert "FunctionBreak" not in {n.op_type for n in onnx.load_from_string(f.getvalue()).graph.node}
+
+
+class ReturnsAConstantToo(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return Triple.apply(self.lin(x)), torch.ones(2)
+
+
+def test_a_module_with_a_function_that_also_returns_a_constant():
+    _quiet()
+    train_alike(ReturnsAConstantToo, lambda step: (torch.randn(4, 3),), loss=lambda out: out[0].pow(2).sum() +
+                out[1].sum())

@@ -52,9 +52,11 @@ def cut(ex: Exported, wrt: set[str]) -> list:
     nodes = list(graph.node)
     reads = [modelio.node_reads(n) for n in nodes]
     constants = {t.name for t in graph.initializer}
+    graph_outputs = {o.name for o in graph.output}
     constant = []
-    for node, r in zip(nodes, reads):
-        is_constant = not is_break(node) and (node.op_type == "Constant" or (bool(r) and r <= constants))
+    for node, r in zip(nodes, reads):  # (a constant the module returns is computed in a segment)
+        is_constant = not is_break(node) and not graph_outputs & set(node.output) and (
+            node.op_type == "Constant" or (bool(r) and r <= constants))
         constant.append(is_constant)
         if is_constant:
             constants.update(node.output)
@@ -74,7 +76,6 @@ def cut(ex: Exported, wrt: set[str]) -> list:
             level[o] = s
     last = max(list(level.values()) + [0])
     types = inferred_types(_without_breaks(ex.model))
-    graph_outputs = {o.name for o in graph.output}
     steps: list = []
     for s in range(last + 1):
         mine = [i for i, st in segment_of.items() if st == s and not is_break(nodes[i])]
