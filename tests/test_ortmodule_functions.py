@@ -422,6 +422,25 @@ class ReturnsAConstantToo(torch.nn.Module):
         return Triple.apply(self.lin(x)), torch.ones(2)
 
 
+class NormalizedFunction(torch.nn.Module):
+    """BatchNorm in training mode (running statistics) on both sides of a Function."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+        self.before = torch.nn.BatchNorm1d(4)
+        self.after = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.after(Triple.apply(self.before(self.lin(x))))
+
+
+def test_running_statistics_on_both_sides_of_a_function():
+    _quiet()
+    om = train_alike(NormalizedFunction, lambda step: (torch.randn(6, 3) * (1 + step),), steps=3)
+    assert int(om.module.after.num_batches_tracked) == 3
+
+
 def test_a_module_with_a_function_that_also_returns_a_constant():
     _quiet()
     train_alike(ReturnsAConstantToo, lambda step: (torch.randn(4, 3),), loss=lambda out: out[0].pow(2).sum() +
