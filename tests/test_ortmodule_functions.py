@@ -445,3 +445,39 @@ def test_a_module_with_a_function_that_also_returns_a_constant():
     _quiet()
     train_alike(ReturnsAConstantToo, lambda step: (torch.randn(4, 3),), loss=lambda out: out[0].pow(2).sum() +
                 out[1].sum())
+
+
+class Passthrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+class EncoderWithBreaks(torch.nn.Module):
+    """Transformer encoder layers with a Function between them (applied by a forward hook): the
+    exporter leaves the Function's outputs untyped there, and each layer's weight transposes
+    belong beside the layer."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0,
+                                                 batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+        for inner in list(self.enc.layers)[:2]:
+            inner.register_forward_hook(lambda mod, args, out: Passthrough.apply(out))
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+def test_an_encoder_with_functions_between_its_layers(caplog):
+    _quiet()
+    with caplog.at_level(logging.INFO, logger="gradbuilder.ortmodule"):
+        train_alike(EncoderWithBreaks, lambda step: (torch.randn(2, 5 + step, 8),), steps=3,
+                    debug_options=DebugOptions(log_level=LogLevel.INFO))
+    plan = next(r.getMessage() for r in caplog.records if "graph break at" in r.getMessage())
+    assert plan.count("graph break at") == 2 and plan.count("onnxruntime segment") == 3, plan

@@ -5,6 +5,7 @@ transformer of ``bench_train.py``, side by side in one process.
     python tools/bench_ortmodule.py --threads 4 --steps 50 --json out.json
     python tools/bench_ortmodule.py --device cuda
     python tools/bench_ortmodule.py --steps 3 --warmup 1 --seq 64       # a quick smoke run
+    python tools/bench_ortmodule.py --breaks 2          # the cost of graph breaks (see below)
 
 The model is ``benchmodels.EncoderClassifier`` (Embedding(8000, 256) + learned positions
 [seq, 256] + 4 x TransformerEncoderLayer(256, 4 heads, ff 1024, dropout 0, batch_first) + mean
@@ -38,6 +39,12 @@ Printed numbers:
   ``bench_train.py``). Both runs compute the same training from the same weights and batches:
   the curves agree to float rounding. Above 1e-3 a WARNING is printed: the timings then compare
   different computations.
+
+``--breaks N`` measures what graph breaks cost: a ``torch.autograd.Function`` that passes its
+input on (``Passthrough``: a copy forward, the gradient unchanged backward) is applied to the
+output of each of the first N encoder layers (by a forward hook), in both contenders, and a
+third contender, ``ortmodule-plain``, trains ``ORTModule`` of the module without them (the same
+computation, one graph). ``per break`` = (ortmodule - ortmodule-plain) / N.
 
 ``--json PATH`` writes the settings, every step time and every loss.
 """
@@ -99,6 +106,25 @@ class Trainer:
         return float(value)
 
 
+class Passthrough(torch.autograd.Function):
+    """A Function that changes nothing: the input copied forward, the gradient passed back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def with_breaks(module: torch.nn.Module, n: int) -> torch.nn.Module:
+    """``module`` with ``Passthrough`` applied to the output of its first ``n`` encoder layers."""
+    for layer in list(module.enc.layers)[:n]:
+        layer.register_forward_hook(lambda mod, args, out: Passthrough.apply(out))
+    return module
+
+
 def loss_rel_diff(reference: list[float], other: list[float]) -> tuple[float, int, float]:
     """benchmodels.loss_rel_diff over every step, the floor 1e-3 x the reference's first loss."""
     return bt.loss_rel_diff(reference, other, bt.LOSS_FLOOR * abs(reference[0]))
@@ -116,10 +142,14 @@ def parse_args(argv=None):
                          "at most --steps)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     ap.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    ap.add_argument("--breaks", type=int, default=0,
+                    help="graph breaks: a pass-through Function after each of the first N encoder layers (0-4)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--warmup, --steps, --rounds and --threads must be >= 1")
+    if not 0 <= args.breaks <= 4:
+        ap.error("--breaks must be between 0 and 4 (the encoder's layers)")
     args.rounds = min(args.rounds, args.steps)
     bt.check_device(ap, args.device)
     return args
@@ -136,10 +166,15 @@ def main(argv=None) -> dict:
     module = bt.EncoderClassifier(seq=args.seq).to(args.device)
     batches = make_batches(args.warmup + args.steps, args.batch, args.seq, args.device)
     contenders = {
-        "pytorch": Trainer(copy.deepcopy(module), batches, args.device),
-        "ortmodule": Trainer(ORTModule(copy.deepcopy(module), session_options=bt.session_options(args.threads)),
-                             batches, args.device),
+        "pytorch": Trainer(with_breaks(copy.deepcopy(module), args.breaks), batches, args.device),
+        "ortmodule": Trainer(ORTModule(with_breaks(copy.deepcopy(module), args.breaks),
+                                       session_options=bt.session_options(args.threads)), batches, args.device),
     }
+    if args.breaks:
+        print(f"graph breaks: a pass-through Function after each of the first {args.breaks} encoder layers")
+        contenders["ortmodule-plain"] = Trainer(ORTModule(copy.deepcopy(module),
+                                                          session_options=bt.session_options(args.threads)),
+                                                batches, args.device)
     times, losses, _ = bt.run_interleaved(contenders, args)
     reference = (bt.float64_losses(module, batches, lambda model, b: F.cross_entropy(model(b[0]), b[1]))
                  if args.device == "cpu" else None)
@@ -157,6 +192,12 @@ def main(argv=None) -> dict:
     print(head)
     print("-" * len(head))
     print(f"{pt_ms:>11.2f}{ort_ms:>14.2f}{ort_ms / pt_ms:>8.2f}{rel:>11.1e}")
+    plain_ms = None
+    if args.breaks:
+        plain_ms = bt.median_ms(times["ortmodule-plain"], args.warmup)
+        print(f"ortmodule-plain (no breaks) {plain_ms:.2f} ms ({plain_ms / pt_ms:.2f}x pytorch); per break "
+              f"{(ort_ms - plain_ms) / args.breaks:.2f} ms ({(ort_ms - plain_ms) / args.breaks / plain_ms:.1%} of "
+              f"the plain step); loss rel {loss_rel_diff(losses['pytorch'], losses['ortmodule-plain'])[0]:.1e}")
     if reference is not None:
         pt64, ort64 = loss_rel_diff(reference, losses["pytorch"])[0], loss_rel_diff(reference, losses["ortmodule"])[0]
         print(f"against PyTorch in float64: pytorch {pt64:.2e}, ortmodule {ort64:.2e}")
@@ -164,12 +205,13 @@ def main(argv=None) -> dict:
             print(f"!!!!! WARNING: the ORTModule loss curve strays from float64 more than PyTorch's float32 one "
                   f"({ort64:.2e} > {bt.LOSS_SLACK:g} x {pt64:.2e} + {bt.LOSS_TOLERANCE:g}) !!!!!")
 
-    results = {"pytorch_ms": pt_ms, "ortmodule_ms": ort_ms, "ratio": ort_ms / pt_ms,
+    results = {"pytorch_ms": pt_ms, "ortmodule_ms": ort_ms, "ratio": ort_ms / pt_ms, "ortmodule_plain_ms": plain_ms,
                "ortmodule_first_call_s": first_call_s, "ortmodule_first_step_s": times["ortmodule"][0],
                "pytorch_first_call_s": pt_first_s, "loss_max_rel_diff": rel, "loss_max_rel_diff_step": rel_step,
                "losses": losses, "times_s": times}
     if args.json:
-        settings = {k: getattr(args, k) for k in ("device", "threads", "steps", "warmup", "rounds", "seq", "batch")}
+        settings = {k: getattr(args, k) for k in ("device", "threads", "steps", "warmup", "rounds", "seq", "batch",
+                                                  "breaks")}
         settings.update(torch=torch.__version__, onnxruntime=ort.__version__)
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "results": results}, f, indent=1)

@@ -2,9 +2,11 @@
 graphs with PyTorch between them.
 
 The exporter writes each application as one ``FunctionBreak`` node (``export.FunctionCall``).
-The graph is cut around those nodes into segments. A node's segment is the latest segment of
-the values it reads, where a value a break returns belongs to the segment after the one its
-own inputs were ready in; a break runs once the segment its inputs come from has run.
+The graph is cut around those nodes into segments. A node's segment is at least the latest
+segment of the values it reads, where a value a break returns belongs to the segment after the
+one its own inputs were ready in (a break runs once the segment its inputs come from has run),
+and then as late as the nodes reading it allow (a weight's transpose runs beside the layer that
+reads it, instead of crossing from the first segment).
 Constants are copied into each segment that reads them. Each segment is compiled like a whole
 module (its own forward and backward graphs, ``compiled.Compiled``) and runs as an
 ``ORTFunction``; the Functions run through their own ``apply``. PyTorch's autograd chains them
@@ -75,7 +77,21 @@ def cut(ex: Exported, wrt: set[str]) -> list:
         for o in node.output:
             level[o] = s
     last = max(list(level.values()) + [0])
-    types = inferred_types(_without_breaks(ex.model))
+    # then each node as late as what reads it allows: a weight's transpose runs in the segment
+    # of the layer that reads it rather than crossing from the first segment
+    readers: dict[str, list[int]] = {}
+    for i in segment_of:
+        for v in reads[i]:
+            readers.setdefault(v, []).append(i)
+    for i in reversed(sorted(segment_of)):
+        if is_break(nodes[i]):
+            continue
+        later = [segment_of[j] for o in nodes[i].output for j in readers.get(o, [])]
+        if graph_outputs & set(nodes[i].output):
+            later.append(last)
+        if later:
+            segment_of[i] = min(later)
+    types = inferred_types(_without_breaks(ex.model, ex.calls))
     steps: list = []
     for s in range(last + 1):
         mine = [i for i, st in segment_of.items() if st == s and not is_break(nodes[i])]
@@ -87,18 +103,24 @@ def cut(ex: Exported, wrt: set[str]) -> list:
     return steps
 
 
-def _without_breaks(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` without its break nodes, whose outputs become typed inputs (shape inference
-    knows no FunctionBreak)."""
+def _without_breaks(model: onnx.ModelProto, calls: list[FunctionCall]) -> onnx.ModelProto:
+    """``model`` without its break nodes, whose outputs become inputs typed as the exporter
+    wrote them or, where it left them untyped, as traced (shape inference knows no
+    FunctionBreak)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     graph = copy.graph
-    typed = {v.name: v for v in graph.value_info}
+    typed = {v.name: v for v in graph.value_info if v.type.WhichOneof("value")}
     kept = [n for n in graph.node if not is_break(n)]
-    cut_outputs = [o for n in graph.node if is_break(n) for o in n.output]
     del graph.node[:]
     graph.node.extend(kept)
-    graph.input.extend(typed[o] for o in cut_outputs if o in typed)
+    for call in calls:
+        for name, (elem, rank) in zip(call.outputs, call.output_types):
+            if name in typed:
+                graph.input.append(typed[name])
+            elif elem:
+                graph.input.append(onnx.helper.make_tensor_value_info(name, elem, None if rank is None else
+                                                                      [None] * rank))
     return copy
 
 

@@ -463,6 +463,7 @@ class FunctionCall:
     where: str
     inputs: list[str] = dataclasses.field(default_factory=list)
     outputs: list[str] = dataclasses.field(default_factory=list)
+    output_types: list = dataclasses.field(default_factory=list)  # (onnx element type, rank) as traced
 
     @property
     def name(self) -> str:
@@ -509,7 +510,13 @@ def _break_node(g, node, watch: _Watch, call: FunctionCall, values: list):
     for out, traced in zip(outs, node.outputs()):
         kind = traced.type()
         out.setType(kind.with_sizes([None] * kind.dim()) if kind.dim() is not None else kind)
+        call.output_types.append((_ONNX_TYPES.get(kind.scalarType(), 0), kind.dim()))
     return outs if len(outs) > 1 else outs[0]
+
+
+# the tracer's scalar type names -> onnx element types
+_ONNX_TYPES = {"Float": 1, "Double": 11, "Half": 10, "BFloat16": 16, "Long": 7, "Int": 6, "Short": 5, "Char": 3,
+               "Byte": 2, "Bool": 9}
 
 
 @contextlib.contextmanager
