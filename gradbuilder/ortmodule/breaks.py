@@ -165,7 +165,7 @@ def _segment(ex: Exported, nodes, reads, constant, mine: list[int], s: int, read
     part = dataclasses.replace(
         ex, model=model, inputs={}, state={}, outputs=outputs,
         differentiable=[o in grads and is_float(o) for o in outputs], running={}, batch_counters=[],
-        stop_gradients=[v for v in ex.stop_gradients if v in produced], functions=[], calls=[], torch_exported=None)
+        stop_gradients=[v for v in ex.stop_gradients if v in produced], calls=[], torch_exported=None)
     return Segment(part, inputs, wrt)
 
 

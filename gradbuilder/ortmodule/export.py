@@ -13,8 +13,7 @@ gradient here either.
 While tracing, ``_watching`` records a tensor's value handed to Python (``.item()``,
 ``bool()``, ``int()``, ...), which a single exported graph cannot follow. Each application of a
 ``torch.autograd.Function`` is exported as one ``FunctionBreak`` node (``_breaking_at_functions``,
-``FunctionCall``): PyTorch runs the Function between the graphs around it (``breaks.py``); the
-classes applied are also listed from the traced graph (``_functions``) for the log.
+``FunctionCall``): PyTorch runs the Function between the graphs around it (``breaks.py``).
 
 The exporter drops what cuts a gradient in PyTorch (``detach()`` becomes the identity, a
 ``torch.no_grad()`` block inside the forward leaves no trace). ``_GradientStops`` marks, while
@@ -71,7 +70,6 @@ class Exported:
     fixed_sizes: str | None = None  # why the graph holds only for the traced input sizes
     stop_gradients: list[str] = dataclasses.field(default_factory=list)  # values no gradient flows through
     shapes: tuple = ()  # the traced call's tensor shapes
-    functions: list[str] = dataclasses.field(default_factory=list)  # autograd Functions the call applied
     calls: list = dataclasses.field(default_factory=list)  # FunctionCall per FunctionBreak node, by index
     torch_exported: bytes | None = None  # torch.onnx.export's own model, when kept
 
@@ -105,9 +103,6 @@ class _Flat(torch.nn.Module):
         stops = _GradientStops(self._watch) if torch.is_grad_enabled() else contextlib.nullcontext()
         with stops:
             out = self.inner(*args, **kwargs)
-        state = torch._C._get_tracing_state()
-        if state is not None:
-            self._watch.functions = _functions(state.graph())
         flat, self.out_spec = pytree.tree_flatten(out)
         distinct: list[torch.Tensor] = []
         self.out_leaves = []
@@ -171,7 +166,6 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
         logger.info("ORTModule: export of %s: no gradient flows through %s", what, place)
     model = onnx.load_from_string(data)
     exported = _exported(model, module, leaves, flat, sized)
-    exported.functions = watch.functions
     exported.calls = watch.calls
     exported.torch_exported = data if keep_torch_export else None
     return exported
@@ -408,7 +402,6 @@ class _Watch:
     """What the module's code did while it was traced (each entry says what and where)."""
 
     value_reads: list[str] = dataclasses.field(default_factory=list)
-    functions: list[str] = dataclasses.field(default_factory=list)
     stops: list[str] = dataclasses.field(default_factory=list)  # where a gradient was cut
     in_place: list[str] = dataclasses.field(default_factory=list)  # changes autograd does not see
     calls: list = dataclasses.field(default_factory=list)  # the Functions applied, as FunctionBreak nodes
@@ -457,7 +450,7 @@ class FunctionCall:
     tracer recorded them (``cconv``: ``d`` a tensor, ``c`` a constant from ``constants``), and the
     place that applied it. ``inputs``/``outputs`` name its tensors in the exported graph."""
 
-    function: type
+    function: object  # the Function's class, or an operation (torch.ops.aten.diff) with graph_breaks=True
     cconv: str
     constants: list
     where: str
@@ -599,28 +592,6 @@ def _operation_symbolic(name: str):
         call = FunctionCall(getattr(getattr(torch.ops, namespace), op), cconv, constants, _traced_at(node))
         return _break_node(g, node, watch, call, [a for a, k in zip(args, cconv) if k == "d"])
     return symbolic
-
-
-def _functions(graph) -> list[str]:
-    """The ``torch.autograd.Function`` classes applied in the traced ``graph`` (its
-    ``prim::PythonOp`` nodes, in nested blocks and in Functions' own subgraphs too), outermost
-    first, each with the place that applied it; ``_StopGradient`` is ours and left out."""
-    found: dict[str, None] = {}
-
-    def visit(block):
-        for node in block.nodes():
-            if node.kind() == "prim::PythonOp":
-                cls = getattr(node.pyobj(), "__self__", None)
-                if cls is not _StopGradient:
-                    name = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else node.pyname()
-                    found[f"{name} (applied at {_traced_at(node)})"] = None
-                if "Subgraph" in node.attributeNames():
-                    visit(node.g("Subgraph"))
-            for inner in node.blocks():
-                visit(inner)
-
-    visit(graph)
-    return list(found)
 
 
 _FRAME = re.compile(r"^(.*)\((\d+)\): (\S+)$")
