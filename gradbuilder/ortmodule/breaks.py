@@ -65,15 +65,26 @@ def cut(ex: Exported, wrt: set[str]) -> list:
     level: dict[str, int] = {}  # value -> the segment it is ready after
     segment_of: dict[int, int] = {}  # node -> its segment (constants: none, breaks: the one before them)
     breaks_after: dict[int, list[FunctionCall]] = {}
+    # A value a Function changes in place: its readers keep their place in the program around
+    # the break (the graph's node order): those before it run before it, those after it after.
+    changed_at: dict[str, list[tuple[int, int]]] = {}  # value -> (break node, its segment)
     for i, (node, r) in enumerate(zip(nodes, reads)):
         if constant[i]:
             continue
-        s = segment_of[i] = max((level.get(v, 0) for v in r), default=0)
+        s = max((level.get(v, 0) for v in r), default=0)
+        s = max([s] + [at + 1 for v in r for _, at in changed_at.get(v, [])])
         if is_break(node):
             call = ex.calls[next(a.i for a in node.attribute if a.name == "index")]
             call.inputs, call.outputs = list(node.input), list(node.output)
+            changed = {call.inputs[k] for k in call.changes}
+            s = max([s] + [segment_of[j] for j in segment_of if reads[j] & changed])  # after what read them
+            for v in changed:
+                changed_at.setdefault(v, []).append((i, s))
+            segment_of[i] = s
             breaks_after.setdefault(s, []).append(call)
             s += 1
+        else:
+            segment_of[i] = s
         for o in node.output:
             level[o] = s
     last = max(list(level.values()) + [0])
@@ -89,6 +100,7 @@ def cut(ex: Exported, wrt: set[str]) -> list:
         later = [segment_of[j] for o in nodes[i].output for j in readers.get(o, [])]
         if graph_outputs & set(nodes[i].output):
             later.append(last)
+        later += [at for v in reads[i] for j, at in changed_at.get(v, []) if i < j]  # before the change
         if later:
             segment_of[i] = min(later)
     types = inferred_types(_without_breaks(ex.model, ex.calls))

@@ -149,6 +149,11 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
             "the exported graph cannot keep the gradient out of that change as PyTorch does (PyTorch's gradient "
             "does not see the change of a tensor that requires grad; a view written from a tensor that requires "
             "grad cannot be cut). Make the change out of place")
+    _refuse(f"{what} applies a torch.autograd.Function that changes a tensor argument in place without "
+            "ctx.mark_dirty", watch.unmarked,
+            "PyTorch's autograd does not see that change, and the traced graph would repeat it after the Function "
+            "(torch.autograd.Function.mark_dirty). Mark the argument dirty and return it, or make the change out "
+            "of place")
     _refuse(f"{what} reads a tensor's value into Python", watch.value_reads,
             "the exported graph would keep what that value was while tracing as a constant (Python control "
             "flow on tensor values). Compute with tensors instead (torch.where, masks)")
@@ -166,9 +171,26 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
         logger.info("ORTModule: export of %s: no gradient flows through %s", what, place)
     model = onnx.load_from_string(data)
     exported = _exported(model, module, leaves, flat, sized)
-    exported.calls = watch.calls
+    exported.calls = _with_changes(watch, what)
     exported.torch_exported = data if keep_torch_export else None
     return exported
+
+
+def _with_changes(watch: _Watch, what: str) -> list:
+    """``watch.calls`` with the in-place changes each Function made while traced: the Functions
+    applied, in the order they ran, are those of the break nodes, in graph order."""
+    functions = [c for c in watch.calls if isinstance(c.function, type)]
+    if [c.function for c in functions] == [cls for cls, _ in watch.applied]:
+        for call, (_, changes) in zip(functions, watch.applied):
+            call.changes = changes
+    elif any(changes for _, changes in watch.applied):
+        cls = next(cls for cls, changes in watch.applied if changes)
+        raise ExportError(f"{what} applies the torch.autograd.Function {cls.__module__}.{cls.__qualname__}, which "
+                          "changes a tensor argument in place, and the traced graph does not hold every Function "
+                          "applied in the order they ran, so the graph breaks cannot keep that change in its place: "
+                          "make the change out of place, or pass fallback=True to ORTModule to run the module in "
+                          "PyTorch")
+    return watch.calls
 
 
 def _refuse(what: str, places: list[str], why: str) -> None:
@@ -405,6 +427,8 @@ class _Watch:
     stops: list[str] = dataclasses.field(default_factory=list)  # where a gradient was cut
     in_place: list[str] = dataclasses.field(default_factory=list)  # changes autograd does not see
     calls: list = dataclasses.field(default_factory=list)  # the Functions applied, as FunctionBreak nodes
+    applied: list = dataclasses.field(default_factory=list)  # (Function, tensor arguments it changed), in order
+    unmarked: list[str] = dataclasses.field(default_factory=list)  # Functions changing an argument unmarked
     inside: int = 0  # > 0 while a Function's own forward runs: PyTorch runs it, nothing to watch
 
 
@@ -457,6 +481,7 @@ class FunctionCall:
     inputs: list[str] = dataclasses.field(default_factory=list)
     outputs: list[str] = dataclasses.field(default_factory=list)
     output_types: list = dataclasses.field(default_factory=list)  # (onnx element type, rank) as traced
+    changes: list = dataclasses.field(default_factory=list)  # positions among ``inputs`` it changes in place
 
     @property
     def name(self) -> str:
@@ -533,11 +558,20 @@ def _breaking_at_functions(watch: _Watch, ops: frozenset = frozenset()):
     def apply(cls, *args, **kwargs):
         if cls is _StopGradient or torch._C._get_tracing_state() is None or watch.inside:
             return original.__func__(cls, *args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        versions = [t._version for t in tensors]
         watch.inside += 1
         try:
             result = original.__func__(cls, *args, **kwargs)
         finally:
             watch.inside -= 1
+        # which tensor arguments it changed in place (see FunctionCall.changes); one it does not
+        # return (no mark_dirty) is a change autograd does not see, which the trace repeats
+        changes = [k for k, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+        watch.applied.append((cls, changes))
+        returned = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if any(not any(o is tensors[k] for o in returned) for k in changes):
+            watch.unmarked.append(f"{_where(sys._getframe(1))} ({cls.__module__}.{cls.__qualname__}.apply)")
         # an output PyTorch gives no gradient (grad mode off, mark_non_differentiable) is marked
         # as _GradientStops marks one: no gradient flows through it in the graphs after the break
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))):
