@@ -245,14 +245,27 @@ class AddsInPlace(torch.autograd.Function):
         return g.sum(0) * 3, g * 5
 
 
+class ReturnsItChangedUnmarked(torch.autograd.Function):
+    """Changes its input in place and returns it, without mark_dirty (PyTorch then returns
+    another tensor object)."""
+
+    @staticmethod
+    def forward(ctx, bias, x):
+        return x.add_(3 * bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.sum(0), g
+
+
 class ChangedInPlace(torch.nn.Module):
     """Reads of the changed tensor before the Function see its old values, reads after it the
-    new ones, as the program runs in PyTorch (``dirty``: DoubleInPlace, marked dirty; else
-    AddsInPlace, not marked)."""
+    new ones, as the program runs in PyTorch (``how``: "dirty", DoubleInPlace, marked dirty;
+    "returned", ReturnsItChangedUnmarked; else AddsInPlace, not marked)."""
 
-    def __init__(self, dirty: bool):
+    def __init__(self, how: str):
         super().__init__()
-        self.dirty = dirty
+        self.how = how
         self.lin = torch.nn.Linear(3, 4)
         self.bias = torch.nn.Parameter(torch.linspace(-0.5, 0.5, 4))
         self.shift = torch.nn.Parameter(torch.full((4,), 0.25))
@@ -260,24 +273,30 @@ class ChangedInPlace(torch.nn.Module):
     def forward(self, inp):
         x = self.lin(inp) * 1
         before = (x + self.shift).tanh()
-        y = DoubleInPlace.apply(x) if self.dirty else AddsInPlace.apply(self.bias, x)
+        if self.how == "dirty":
+            y = DoubleInPlace.apply(x)
+        elif self.how == "returned":
+            y = ReturnsItChangedUnmarked.apply(self.bias, x)
+        else:
+            y = AddsInPlace.apply(self.bias, x)
         after = x * self.shift
         return before + y + after
 
 
 def test_a_function_that_changes_its_input_in_place_keeps_the_program_order():
     _quiet()
-    train_alike(lambda: ChangedInPlace(True), lambda step: (torch.randn(5, 3),), steps=3)
+    train_alike(lambda: ChangedInPlace("dirty"), lambda step: (torch.randn(5, 3),), steps=3)
 
 
-def test_a_change_in_place_without_mark_dirty_is_refused_naming_the_function():
+@pytest.mark.parametrize("how,function", [("not returned", "AddsInPlace"), ("returned", "ReturnsItChangedUnmarked")])
+def test_a_change_in_place_without_mark_dirty_is_refused_naming_the_function(how, function):
     """PyTorch's autograd does not see such a change, and torch's tracer repeats it in the graph
     after the Function: the values after it would be changed twice."""
     _quiet()
-    line = _line(ChangedInPlace.forward, "AddsInPlace.apply")
+    line = _line(ChangedInPlace.forward, f"{function}.apply")
     with pytest.raises(ExportError, match=rf"without ctx.mark_dirty at {re.escape(__file__)}:{line} "
-                                          rf"\({__name__}.AddsInPlace.apply\).*fallback=True"):
-        ORTModule(ChangedInPlace(False))(torch.randn(5, 3))
+                                          rf"\({__name__}.{function}.apply\).*fallback=True"):
+        ORTModule(ChangedInPlace(how))(torch.randn(5, 3))
 
 
 class Forms(torch.nn.Module):
