@@ -62,6 +62,23 @@ def cut(ex: Exported, wrt: set[str]) -> list:
         constant.append(is_constant)
         if is_constant:
             constants.update(node.output)
+    segment_of, breaks_after, last = _place(ex, nodes, reads, constant, graph_outputs)
+    types = inferred_types(_without_breaks(ex.model, ex.calls))
+    steps: list = []
+    for s in range(last + 1):
+        mine = [i for i, st in segment_of.items() if st == s and not is_break(nodes[i])]
+        # read after this segment: by later segments, and by the breaks after it or later
+        later = set().union(*(reads[i] for i, st in segment_of.items() if st > s or (st == s and is_break(nodes[i]))))
+        if mine:
+            steps.append(_segment(ex, nodes, reads, constant, sorted(mine), s, later | graph_outputs, types, wrt))
+        steps += breaks_after.get(s, [])
+    return steps
+
+
+def _place(ex: Exported, nodes, reads, constant, graph_outputs: set[str]):
+    """Each node's segment (a break's: the segment it runs after), the FunctionCalls after each
+    segment, and the last segment: every node first as early as what it reads allows, then as
+    late as what reads it allows."""
     level: dict[str, int] = {}  # value -> the segment it is ready after
     segment_of: dict[int, int] = {}  # node -> its segment (constants: none, breaks: the one before them)
     breaks_after: dict[int, list[FunctionCall]] = {}
@@ -103,16 +120,7 @@ def cut(ex: Exported, wrt: set[str]) -> list:
         later += [at for v in reads[i] for j, at in changed_at.get(v, []) if i < j]  # before the change
         if later:
             segment_of[i] = min(later)
-    types = inferred_types(_without_breaks(ex.model, ex.calls))
-    steps: list = []
-    for s in range(last + 1):
-        mine = [i for i, st in segment_of.items() if st == s and not is_break(nodes[i])]
-        # read after this segment: by later segments, and by the breaks after it or later
-        later = set().union(*(reads[i] for i, st in segment_of.items() if st > s or (st == s and is_break(nodes[i]))))
-        if mine:
-            steps.append(_segment(ex, nodes, reads, constant, sorted(mine), s, later | graph_outputs, types, wrt))
-        steps += breaks_after.get(s, [])
-    return steps
+    return segment_of, breaks_after, last
 
 
 def _without_breaks(model: onnx.ModelProto, calls: list[FunctionCall]) -> onnx.ModelProto:
