@@ -551,3 +551,27 @@ def test_an_encoder_with_functions_between_its_layers(caplog):
                     debug_options=DebugOptions(log_level=LogLevel.INFO))
     plan = next(r.getMessage() for r in caplog.records if "graph break at" in r.getMessage())
     assert plan.count("graph break at") == 2 and plan.count("onnxruntime segment") == 3, plan
+
+
+class NoiseOnBothSides(torch.nn.Module):
+    """Noise drawn from a constant's shape, read before and after a Function: drawn once, not
+    once in each graph around the break."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+
+    def forward(self, x):
+        other = torch.rand_like(torch.ones(4))  # drawn before it, read before the break only
+        noise = torch.rand_like(torch.ones(4))
+        before = self.lin(x) + noise
+        return before - self.lin(x), Triple.apply(before + other) * 0 + noise
+
+
+def test_a_random_value_read_on_both_sides_of_a_break_is_drawn_once():
+    _quiet()
+    om = ORTModule(NoiseOnBothSides())
+    for _ in range(3):
+        first, second = om(torch.randn(2, 3))
+        torch.testing.assert_close(first, second.expand_as(first))
+        assert float(second.min()) != float(second.max())  # really drawn

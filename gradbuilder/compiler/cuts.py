@@ -146,13 +146,7 @@ class _Graph:
                                        "name its trainable initializers")
         self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
         self.constants = set(self.initializers) - self.trainable
-        self.constant = []
-        for node, reads in zip(self.nodes, self.reads):
-            is_constant = node.domain in ("", "ai.onnx") and (node.op_type == "Constant" or (
-                node.op_type not in _RANDOM and bool(reads) and reads <= self.constants))
-            self.constant.append(is_constant)
-            if is_constant:
-                self.constants.update(node.output)
+        self.constant = constant_nodes(self.nodes, self.reads, self.constants)
         self.readers: dict[str, list[int]] = {}  # value -> the non-constant nodes reading it
         for i, reads in enumerate(self.reads):
             if not self.constant[i]:
@@ -169,6 +163,32 @@ class _Graph:
     def label(self, i: int) -> str:
         """The node's name, or its first output where the name is missing or not unique."""
         return self.labels[i]
+
+
+def constant_nodes(nodes, reads: list[set[str]], constants: set[str], kept: set[str] = frozenset()) -> list[bool]:
+    """Which ``nodes`` compute constants, which a cut copies into each part that reads them:
+    Constant nodes, and standard nodes other than random draws that read only ``constants``
+    (the constant values; their outputs are added to it). A node with an output in ``kept``
+    is not one (its value is computed once, in a part of its own)."""
+    constant = []
+    for node, r in zip(nodes, reads):
+        is_constant = node.domain in ("", "ai.onnx") and not kept & set(node.output) and (
+            node.op_type == "Constant" or (node.op_type not in _RANDOM and bool(r) and r <= constants))
+        constant.append(is_constant)
+        if is_constant:
+            constants.update(node.output)
+    return constant
+
+
+def constants_read(nodes, reads: list[set[str]], constant: list[bool], needed: set[str]) -> list[int]:
+    """The constant nodes that compute what ``needed`` names, and what those read in turn
+    (``needed`` grows with their reads)."""
+    copied = []
+    for i in reversed(range(len(nodes))):
+        if constant[i] and any(o in needed for o in nodes[i].output):
+            copied.append(i)
+            needed |= reads[i]
+    return copied
 
 
 def _assign(g: _Graph, cuts: list[list[CutEdge]]) -> list[int | None]:
@@ -293,11 +313,7 @@ def _stage(g: _Graph, s: int, stage: list[int | None], boundary: list[list[str]]
     last = len(boundary)
     mine = [i for i, st in enumerate(stage) if st == s]
     needed = set().union(*(g.reads[i] for i in mine))
-    constants = []
-    for i in reversed(range(len(g.nodes))):
-        if g.constant[i] and any(o in needed for o in g.nodes[i].output):
-            constants.append(i)
-            needed |= g.reads[i]
+    constants = constants_read(g.nodes, g.reads, g.constant, needed)
     receives = boundary[s - 1] if s > 0 else []
     sends = boundary[s] if s < last else []
     produced = {o for i in mine for o in g.nodes[i].output}

@@ -7,7 +7,8 @@ segment of the values it reads, where a value a break returns belongs to the seg
 one its own inputs were ready in (a break runs once the segment its inputs come from has run),
 and then as late as the nodes reading it allow (a weight's transpose runs beside the layer that
 reads it, instead of crossing from the first segment).
-Constants are copied into each segment that reads them. Each segment is compiled like a whole
+Constants (not random draws) are copied into each segment that reads them, as pipeline stages
+copy them (``compiler.cuts``). Each segment is compiled like a whole
 module (its own forward and backward graphs, ``compiled.Compiled``) and runs as an
 ``ORTFunction``; the Functions run through their own ``apply``. PyTorch's autograd chains them
 all, so a Function's backward is the one it defines and the gradients reach the parameters of
@@ -25,7 +26,7 @@ import dataclasses
 import onnx
 
 from ..compiler import modelio
-from ..compiler.cuts import inferred_types
+from ..compiler.cuts import constant_nodes, constants_read, inferred_types
 from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import ExportError
 from .export import BREAK, STOP_DOMAIN, Exported, FunctionCall
@@ -53,15 +54,9 @@ def cut(ex: Exported, wrt: set[str]) -> list:
     graph = ex.model.graph
     nodes = list(graph.node)
     reads = [modelio.node_reads(n) for n in nodes]
-    constants = {t.name for t in graph.initializer}
     graph_outputs = {o.name for o in graph.output}
-    constant = []
-    for node, r in zip(nodes, reads):  # (a constant the module returns is computed in a segment)
-        is_constant = not is_break(node) and not graph_outputs & set(node.output) and (
-            node.op_type == "Constant" or (bool(r) and r <= constants))
-        constant.append(is_constant)
-        if is_constant:
-            constants.update(node.output)
+    # (a constant the module returns is computed once, in a segment; random draws are never copied)
+    constant = constant_nodes(nodes, reads, {t.name for t in graph.initializer}, kept=graph_outputs)
     segment_of, breaks_after, last = _place(ex, nodes, reads, constant, graph_outputs)
     types = inferred_types(_without_breaks(ex.model, ex.calls))
     steps: list = []
@@ -148,11 +143,7 @@ def _segment(ex: Exported, nodes, reads, constant, mine: list[int], s: int, read
              module_wrt: set[str]) -> Segment:
     graph = ex.model.graph
     needed = set().union(*(reads[i] for i in mine))
-    copied = []
-    for i in reversed(range(len(nodes))):
-        if constant[i] and any(o in needed for o in nodes[i].output):
-            copied.append(i)
-            needed |= reads[i]
+    copied = constants_read(nodes, reads, constant, needed)
     produced = {o for i in mine + copied for o in nodes[i].output}
     initializers = {t.name for t in graph.initializer}
     inputs = [v for v in dict.fromkeys(v for i in mine for v in sorted(reads[i]))
