@@ -41,9 +41,14 @@ def bytes_of(array, code: str) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
+def json_bytes(header: dict) -> bytes:
+    """The header's JSON as written (before the padding)."""
+    return json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def header_bytes(header: dict) -> bytes:
     """The header's JSON, padded with spaces to a multiple of 8 bytes."""
-    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    raw = json_bytes(header)
     return raw + b" " * (-len(raw) % 8)
 
 

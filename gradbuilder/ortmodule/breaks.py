@@ -29,6 +29,7 @@ from ..compiler import modelio
 from ..compiler.cuts import constant_nodes, constants_read, inferred_types
 from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import ExportError
+from .compiled import ORTFunction
 from .export import BREAK, STOP_DOMAIN, Exported, FunctionCall
 from .options import logger
 
@@ -202,8 +203,6 @@ class Broken:
 
     def run(self, values: dict) -> dict:
         """Every value the steps compute, from the module's graph inputs ``values`` (name -> tensor)."""
-        from .compiled import ORTFunction
-
         env = dict(values)
         for step, compiled in self.steps:
             if compiled is None:

@@ -53,7 +53,7 @@ import onnxruntime as ort
 from .. import files
 from ..dtypes import NP_OF_ORT
 from ..errors import CheckpointError, InvalidArgumentError
-from ..tensorfiles import CHUNK, code_of, header_bytes
+from ..tensorfiles import CHUNK, code_of, header_bytes, json_bytes
 from ..tensorfiles import DTYPES as _DTYPES
 from ..tensorfiles import bytes_of as _bytes_of
 
@@ -94,10 +94,6 @@ def _host_bytes(value, code):
     """A tensor's bytes on the host: a view of a numpy array's or a CPU OrtValue's own memory
     when it is little-endian C order already, a copy of this one tensor otherwise."""
     return _bytes_of(value.numpy() if isinstance(value, ort.OrtValue) else value, code)
-
-
-def _json(value) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _description(entries, meta) -> bytes:
@@ -142,7 +138,7 @@ def save(path, tensors, metadata=None):
         raise InvalidArgumentError(f"a checkpoint name or metadata string is not valid Unicode: {e}") from None
 
     header, end = {"__metadata__": {**meta, "sha256": "0" * 64}}, 0
-    at = 8 + len(_json(header)) - 64 - len('"}}')  # where the digest goes: the first entry's last value
+    at = 8 + len(json_bytes(header)) - 64 - len('"}}')  # where the digest goes: the first entry's last value
     for name in sorted(entries):
         code, shape = entries[name]
         size = int(np.prod(shape, dtype=object)) * _DTYPES[code].itemsize
