@@ -577,3 +577,15 @@ def test_a_random_value_read_on_both_sides_of_a_break_is_drawn_once():
         first, second = om(torch.randn(2, 3))
         torch.testing.assert_close(first, second.expand_as(first))
         assert float(second.min()) != float(second.max())  # really drawn
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_graph_breaks_at_every_thread_count(threads):
+    """onnxruntime's kernels differ by thread count: the segments around the Functions give the
+    plain module's training at 1, 2 and 16 intra-op threads (16 oversubscribes this machine)."""
+    import onnxruntime as ort
+
+    _quiet()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    train_alike(EncoderWithBreaks, lambda step: (torch.randn(3, 6, 8),), steps=3, session_options=options)
