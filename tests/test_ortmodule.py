@@ -304,12 +304,32 @@ def test_debug_options_save_onnx_and_log_level(tmp_path, caplog):
     compiled = next(iter(om._compiled.values()))
     # onnxruntime's INFO lines are its graph transformers' trace: its sessions stay at WARNING
     assert compiled.forward_graph.session.get_session_options().log_severity_level == 2
-    with pytest.raises(InvalidArgumentError, match="onnx_prefix"):
+    with pytest.raises(InvalidArgumentError, match="onnx_prefix must be provided when save_onnx is set"):
         DebugOptions(save_onnx=True)
-    with pytest.raises(InvalidArgumentError, match="onnx_prefix must be a str, got int"):
+    with pytest.raises(InvalidArgumentError, match="Expected name prefix of type str, got <class 'int'>"):
         DebugOptions(save_onnx=True, onnx_prefix=23)
-    with pytest.raises(InvalidArgumentError, match="log_level"):
+    with pytest.raises(InvalidArgumentError, match="Expected log_level of type LogLevel, got <class 'int'>"):
         DebugOptions(log_level=7)
+    with pytest.raises(InvalidArgumentError, match="Expected log_level of type LogLevel, got <class 'str'>"):
+        DebugOptions(log_level="INFO")
+
+
+def test_debug_options_save_path_from_the_environment(tmp_path, monkeypatch):
+    """Without save_path, ORTMODULE_SAVE_ONNX_PATH names the directory; one that cannot be
+    written is refused before anything runs. The mode in the names is the module's: an
+    evaluation-mode call is ``inference`` even with grad enabled."""
+    _quiet()
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
+    om = ORTModule(mlp(), DebugOptions(save_onnx=True, onnx_prefix="env_model"))
+    om.eval()
+    om(torch.randn(3, 10))
+    names = set(os.listdir(tmp_path))
+    assert {f"env_model_{k}_inference.onnx" for k in ("torch_exported", "optimized", "execution_model")} <= names
+    assert not any("training" in n for n in names)
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path / "missing"))
+    with pytest.raises(InvalidArgumentError, match=r"Directory .*missing is not writable\. \(from "
+                                                   r"ORTMODULE_SAVE_ONNX_PATH\)"):
+        DebugOptions(save_onnx=True, onnx_prefix="env_model")
 
 
 class Branchy(torch.nn.Module):
@@ -401,6 +421,116 @@ def test_value_branch_on_shapes_is_not_an_error():
     om = ORTModule(copy.deepcopy(ref))
     x = torch.randn(3, 4)
     torch.testing.assert_close(om(x), ref(x))
+
+
+class FlagBranch(torch.nn.Module):
+    """Python control flow on the values of its own tensor arguments: a flag and a step count."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, flag, x, repeats=None):
+        h = self.fc1(x)
+        h = torch.relu(h) if flag else torch.tanh(h)
+        for _ in range(int(repeats) if repeats is not None else 1):
+            h = h * 0.5 + self.fc1.bias
+        return self.fc2(h)
+
+
+def test_reading_an_argument_value_keeps_a_graph_per_value():
+    """``if flag:`` on a tensor argument: the graph holds for the value read and each other value
+    exports again; training over several optimizer steps with the flag and count changing matches
+    the plain module."""
+    _quiet()
+    torch.manual_seed(0)
+    ref = FlagBranch()
+    om = ORTModule(copy.deepcopy(ref))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_om = torch.optim.SGD(om.parameters(), lr=0.1)
+    calls = [(True, 1), (False, 1), (True, 3), (True, 1), (False, 3), (False, 1), (True, 3)]
+    for flag, repeats in calls:
+        x = torch.randn(5, 4)
+        flag, repeats = torch.tensor(flag), torch.tensor(repeats)
+        losses = []
+        for model, opt in ((ref, opt_ref), (om, opt_om)):
+            opt.zero_grad()
+            loss = model(flag, x, repeats).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0])
+    for p_om, p_ref in zip(om.parameters(), ref.parameters()):
+        torch.testing.assert_close(p_om, p_ref)
+    assert om.exports == 4  # the four (flag, repeats) pairs, each once
+    om.eval(), ref.eval()
+    with torch.no_grad():
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(om(torch.tensor(False), x), ref(torch.tensor(False), x))
+
+
+def test_default_and_variadic_arguments_read_by_value():
+    """Arguments left at their default, variadic ones and a tensor keyword whose truth the code
+    reads, in training and evaluation mode."""
+    _quiet()
+
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.zeros = torch.nn.Parameter(torch.zeros(1, 1))
+
+        def forward(self, a, b, c, d, *args, kw_0=None, **kwargs):
+            result = a + d + self.zeros.sum()
+            if args:
+                result = result + args[-1]
+            if kw_0:
+                result = result + kw_0
+            if kwargs:
+                result = result + kwargs["kwargs_1"]
+            return result
+
+    om = ORTModule(Unused())
+    one = torch.ones(1)
+    for training in (True, False):
+        om.train(training)
+        for args, kwargs, expected in [
+            ((one, 2 * one, 3 * one, 4 * one), {}, 5.0),
+            ((one, 2 * one), {"c": 3 * one, "d": 4 * one}, 5.0),
+            ((one, 2 * one, 3 * one, 4 * one, *[2 * one] * 5), {}, 7.0),
+            ((one, 2 * one, 3 * one, 4 * one, *[2 * one] * 5), {"kw_0": 6 * one}, 13.0),
+            ((one, 2 * one, 3 * one, 4 * one, *[2 * one] * 5), {"kw_0": 0 * one}, 7.0),
+            ((one, 2 * one, 3 * one, 4 * one, *[2 * one] * 5), {"kwargs_0": 7 * one, "kwargs_1": 8 * one}, 15.0),
+        ]:
+            out = om(*args, **kwargs)
+            assert out.item() == expected
+            if training:
+                out.sum().backward()
+                assert om.module.zeros.grad is not None
+
+
+def test_reading_a_computed_or_changed_argument_is_refused():
+    """Only a value of the call's own tensor, unchanged, is kept per value: one computed from it,
+    or read after an in-place change, is refused with the place."""
+    _quiet()
+
+    class Computed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, flag, x):
+            return self.lin(x) if (flag * 2).item() > 1 else self.lin(-x)
+
+    class Changed(Computed):
+        def forward(self, flag, x):
+            flag.add_(1)
+            return self.lin(x) if flag.item() > 1 else self.lin(-x)
+
+    for module in (Computed, Changed):
+        with pytest.raises(ExportError, match=r"reads a tensor's value into Python at .*test_ortmodule.py:\d+ "
+                                              r"\(Tensor.item\)"):
+            ORTModule(module())(torch.tensor(1.0), torch.randn(2, 4))
 
 
 def test_wrapping_errors():

@@ -517,6 +517,40 @@ def test_a_module_with_a_function_that_also_returns_a_constant():
                 out[1].sum())
 
 
+class PassesItsFirstArgument(torch.autograd.Function):
+    """Returns its first argument as it is, with the product of the other two."""
+
+    @staticmethod
+    def forward(ctx, passed, x, y):
+        ctx.save_for_backward(x, y)
+        return passed, x * y
+
+    @staticmethod
+    def backward(ctx, d_passed, d_product):
+        x, y = ctx.saved_tensors
+        return d_passed, d_product * y, d_product * x
+
+
+class TakesAConstant(torch.nn.Module):
+    """A Function whose first argument is a constant of the traced graph (a tensor attribute,
+    not a buffer): its value is computed in a segment and crosses into PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.ids = torch.tensor([1, 4, 6, 7])
+
+    def forward(self, x):
+        ids, product = PassesItsFirstArgument.apply(self.ids, self.lin(x), self.lin.bias)
+        assert ids.grad_fn is None and ids.dtype == torch.int64
+        return product * ids[:3].float()
+
+
+def test_a_function_taking_a_constant_of_the_graph():
+    _quiet()
+    train_alike(TakesAConstant, lambda step: (torch.randn(4, 3),))
+
+
 class HalvesGradient(torch.autograd.Function):
     """A copy forward; half the gradient backward."""
 

@@ -29,7 +29,7 @@ _UNARY_SAME = frozenset(
 )
 
 _DATA_FIRST = frozenset(
-    """Concat Slice Split Gather GatherElements GatherND Tile Pad Flatten ScatterND ScatterElements
+    """Concat Slice Split Range Gather GatherElements GatherND Tile Pad Flatten ScatterND ScatterElements
     Conv ConvTranspose MaxPool AveragePool Gemm Einsum Col2Im Resize DepthToSpace SpaceToDepth
     BatchNormalization LayerNormalization InstanceNormalization GroupNormalization""".split()
 )

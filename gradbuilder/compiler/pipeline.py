@@ -27,6 +27,7 @@ from .. import compat
 from ..errors import InvalidArgumentError
 from . import modelio
 from .passes.canonicalize import (
+    bfloat16_indices_in_float32,
     fold_shape_computations,
     indexed_max_as_gather,
     sequence_appends_as_scan_outputs,
@@ -59,6 +60,7 @@ PREPARE: tuple[PassFunction, ...] = (
     sequence_appends_as_scan_outputs,
     fold_shape_computations,
     indexed_max_as_gather,
+    bfloat16_indices_in_float32,
     restore_training_mode,
     expose_dropout_masks,
     expose_pool_indices,

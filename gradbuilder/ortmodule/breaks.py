@@ -58,6 +58,9 @@ def cut(ex: Exported, wrt: set[str]) -> list:
     graph_outputs = {o.name for o in graph.output}
     # (a constant the module returns is computed once, in a segment; random draws are never copied)
     constant = constant_nodes(nodes, reads, {t.name for t in graph.initializer}, kept=graph_outputs)
+    # a constant a Function takes is computed in a segment and crosses into PyTorch
+    into_breaks = set().union(*(r for n, r in zip(nodes, reads) if is_break(n)))
+    constant = [c and not (into_breaks & set(n.output)) for c, n in zip(constant, nodes)]
     segment_of, breaks_after, last = _place(ex, nodes, reads, constant, graph_outputs)
     types = inferred_types(_without_breaks(ex.model, ex.calls))
     steps: list = []

@@ -36,12 +36,15 @@ def _providers_for(device: torch.device):
 class Compiled:
     """The sessions of one signature. ``backward`` is None when no gradient is needed (``wrt``
     empty, or no output requires grad): the forward graph is then the exported model itself.
-    ``saved_files`` counts the signatures whose debug files were written, per mode."""
+    ``saved_files`` counts the signatures whose debug files were written, per mode: ``training``
+    for a call in training mode with grad enabled, else ``inference`` (onnxruntime-training's
+    names)."""
 
     def __init__(self, exported: Exported, wrt: list[str], device: torch.device, debug: DebugOptions,
                  number: int, session_options: ort.SessionOptions | None = None,
-                 saved_files: collections.Counter | None = None):
+                 saved_files: collections.Counter | None = None, training: bool = True):
         self.exported = exported
+        self.mode = "training" if training else "inference"
         providers, options, self.ort_device = _providers_for(device)
         # onnxruntime's INFO is its graph transformers' trace: only VERBOSE goes below WARNING
         severity = 0 if debug.log_level == 0 else max(2, int(debug.log_level))
@@ -78,10 +81,6 @@ class Compiled:
                                         if n == out and d] for seed, out in self.split.seeds.items()}
         logger.info("ORTModule: compiled signature %d (%d forward inputs, %d saved values, backward: %s)",
                     number, len(self.forward_inputs), len(self.split.saved) if self.split else 0, backward is not None)
-
-    @property
-    def mode(self) -> str:
-        return "training" if self.split is not None else "inference"
 
     def _save(self, debug: DebugOptions, count: int, forward, backward) -> None:
         """The files onnxruntime-training's ORTModule writes, under its names: what torch's exporter

@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import threading
+import unittest.mock
 import warnings
 
 import onnx
@@ -71,7 +72,27 @@ class Exported:
     stop_gradients: list[str] = dataclasses.field(default_factory=list)  # values no gradient flows through
     shapes: tuple = ()  # the traced call's tensor shapes
     calls: list = dataclasses.field(default_factory=list)  # FunctionCall per FunctionBreak node, by index
+    guards: list = dataclasses.field(default_factory=list)  # Guard per value of an input the code read
     torch_exported: bytes | None = None  # torch.onnx.export's own model, when kept
+
+    def holds_for(self, tensors: list) -> bool:
+        """Whether the call's tensors read the same values as the traced call (see ``Guard``)."""
+        return all(g.holds(tensors) for g in self.guards)
+
+
+@dataclasses.dataclass
+class Guard:
+    """The traced code read the value of one of the call's tensors into Python (``if flag:``,
+    ``n = steps.item()``): the graph holds for calls whose tensor ``index`` reads the same."""
+
+    index: int  # among the call's tensor leaves
+    method: str  # the Tensor method that read it
+    value: object  # what it read
+    where: str
+
+    def holds(self, tensors: list) -> bool:
+        value = getattr(tensors[self.index], self.method)()
+        return value == self.value or repr(value) == repr(self.value)  # NaN reads as NaN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +117,7 @@ class _Flat(torch.nn.Module):
         self.differentiable = None
 
     def forward(self, *tensors):
+        self._watch.inputs = [(t, t._version) for t in tensors]
         it = iter(tensors)
         leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
@@ -132,15 +154,22 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     what = type(module).__name__
     watch = _Watch()
     ops: frozenset = frozenset()
+    first_error, static = None, None  # static: why the graph is traced for the call's sizes only
     while True:
         try:
-            data, caught, flat = _trace(module, leaves, spec, verbose, watch, ops)
+            data, caught, flat = _trace(module, leaves, spec, verbose, watch, ops, dynamic=static is None)
             break
         except ExportError as exc:
             unsupported = _UNSUPPORTED.search(str(exc.__cause__ or ""))
-            if not graph_breaks or unsupported is None or unsupported.group(1) in ops:
-                raise
-            ops |= {unsupported.group(1)}
+            if graph_breaks and unsupported is not None and unsupported.group(1) not in ops:
+                ops |= {unsupported.group(1)}
+            elif static is None and unsupported is None:
+                # an operator's export that needs a size as a Python number (a loss's ignore_index
+                # from x.size(1)): trace with the call's sizes, and export again for other sizes
+                first_error = exc
+                static = f"the export with symbolic sizes failed ({_first_lines(str(exc.__cause__))[:200]})"
+            else:
+                raise first_error or exc
             watch = _Watch()
     for w in caught:
         logger.debug("ORTModule: export of %s: %s: %s (%s:%d)", what, w.category.__name__, w.message, w.filename,
@@ -159,8 +188,8 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
             "flow on tensor values). Compute with tensors instead (torch.where, masks)")
     # A size turned into a Python number becomes a constant: where any code did that, trace
     # again with one more row (and, for integer inputs such as token ids, one more column).
-    sized = None
-    if any(issubclass(w.category, torch.jit.TracerWarning) and _TO_NUMBER.search(str(w.message)) for w in caught):
+    sized = static
+    if static is None and any(issubclass(w.category, torch.jit.TracerWarning) and _TO_NUMBER.search(str(w.message)) for w in caught):
         try:
             other, _, _ = _trace(module, [_other_sizes(x) for x in leaves], spec, False, ops=ops)
         except ExportError:
@@ -172,6 +201,11 @@ def export(module: torch.nn.Module, leaves: list, spec, verbose: bool = False,
     model = onnx.load_from_string(data)
     exported = _exported(model, module, leaves, flat, sized)
     exported.calls = _with_changes(watch, what)
+    exported.guards = watch.guards
+    for guard in watch.guards:
+        logger.info("ORTModule: %s reads the value of its tensor argument %d at %s (Tensor.%s): the exported graph "
+                    "holds for calls that read the same, another value exports again", what, guard.index,
+                    guard.where, guard.method)
     exported.torch_exported = data if keep_torch_export else None
     return exported
 
@@ -201,10 +235,11 @@ def _refuse(what: str, places: list[str], why: str) -> None:
                           "module in PyTorch")
 
 
-def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None, ops: frozenset = frozenset()):
+def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None, ops: frozenset = frozenset(),
+           dynamic: bool = True):
     """torch.onnx.export of the call with these leaves (``ops``: operations that run in PyTorch,
-    as graph breaks): the model bytes, the warnings, and the wrapper that recorded the
-    output's structure."""
+    as graph breaks; ``dynamic``: every size of the inputs symbolic, else the call's): the model
+    bytes, the warnings, and the wrapper that recorded the output's structure."""
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     names = [f"input_{i}" for i in range(len(tensors))]
     watch = watch or _Watch()
@@ -212,8 +247,12 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None, ops
     flat.training = module.training  # the exporter restores the wrapper's mode on its children
     f = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if module.training else torch.onnx.TrainingMode.EVAL
+    # torch's exporter prints its whole graph to stdout when an export fails, verbose or not
+    # (its logging switch reads a function as a flag); the error says what failed
+    quiet = contextlib.nullcontext() if verbose else unittest.mock.patch.object(torch._C, "_jit_onnx_log",
+                                                                               lambda *args: None)
     with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch), \
-            _breaking_at_functions(watch, ops):
+            _breaking_at_functions(watch, ops), quiet:
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
@@ -221,7 +260,8 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None, ops
                 # the parameters and buffers as inputs without their values: they are fed from the
                 # module, and a module over 2 GB exports as one of 2 KB
                 do_constant_folding=False, keep_initializers_as_inputs=True, export_params=False, verbose=verbose,
-                dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, tensors)})
+                dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, tensors)}
+                if dynamic else None)
         except Exception as exc:  # the exporter raises many types; all mean the same to the user
             raise ExportError(
                 f"torch.onnx.export (TorchScript exporter, opset {OPSET}) could not export {type(module).__name__}: "
@@ -414,6 +454,9 @@ def _untouched(module: torch.nn.Module):
 
 # Tensor methods that hand a tensor's value to Python.
 _TO_PYTHON = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__")
+# Those that may read a (small) tensor of the call itself: the graph is kept for that value only.
+_GUARDED = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
+_GUARDED_SIZE = 4096
 # Traced operators whose result depends on their input's shape only.
 _SHAPE_OPS = frozenset({"aten::size", "aten::sym_size", "aten::numel", "aten::dim", "aten::_shape_as_tensor",
                         "aten::len", "prim::shape"})
@@ -424,6 +467,8 @@ class _Watch:
     """What the module's code did while it was traced (each entry says what and where)."""
 
     value_reads: list[str] = dataclasses.field(default_factory=list)
+    guards: list[Guard] = dataclasses.field(default_factory=list)  # values of the call's tensors read
+    inputs: list = dataclasses.field(default_factory=list)  # (tensor, version) of the call's tensors
     stops: list[str] = dataclasses.field(default_factory=list)  # where a gradient was cut
     in_place: list[str] = dataclasses.field(default_factory=list)  # changes autograd does not see
     calls: list = dataclasses.field(default_factory=list)  # the Functions applied, as FunctionBreak nodes
@@ -445,7 +490,16 @@ def _watching(watch: _Watch):
     does not: other sizes are checked by tracing again (see ``export``)."""
     def conversion(name, original):
         def method(self, *args, **kwargs):
-            if torch._C._get_tracing_state() is not None and not watch.inside and _reads_values(self):
+            if torch._C._get_tracing_state() is None or watch.inside:
+                return original(self, *args, **kwargs)
+            index = next((i for i, (t, version) in enumerate(watch.inputs)
+                          if t is self and t._version == version), None)
+            if index is not None and name in _GUARDED and not args and not kwargs \
+                    and self.numel() <= _GUARDED_SIZE:
+                value = original(self)
+                watch.guards.append(Guard(index, name, value, _where(sys._getframe(1))))
+                return value
+            if _reads_values(self):
                 watch.value_reads.append(f"{_where(sys._getframe(1))} (Tensor.{name})")
             return original(self, *args, **kwargs)
         return method

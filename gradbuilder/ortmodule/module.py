@@ -117,12 +117,20 @@ class ORTModule(torch.nn.Module):
         compiled = self._compiled.get(key)
         if isinstance(compiled, dict):  # a graph per input shape (see below)
             compiled = compiled.get(shapes)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if isinstance(compiled, list):  # graphs for the values the code read of its tensors
+            compiled = next((c for c in compiled if c.exported.holds_for(tensors)), None)
         if compiled is None:
             compiled = self._compile(leaves, spec, params, needs_grad, device)
             if compiled != "fallback" and compiled.exported.fixed_sizes:
-                self._per_shape(key, compiled.exported.fixed_sizes)[shapes] = compiled
+                slots, slot = self._per_shape(key, compiled.exported.fixed_sizes), shapes
             else:
-                self._compiled[key] = compiled
+                slots, slot = self._compiled, key
+            if compiled != "fallback" and compiled.exported.guards:
+                held = slots.get(slot)
+                slots[slot] = (held if isinstance(held, list) else []) + [compiled]
+            else:
+                slots[slot] = compiled
         if compiled == "fallback":
             with self._module_runs():
                 return self.module(*args, **kwargs)
@@ -143,7 +151,11 @@ class ORTModule(torch.nn.Module):
         if not isinstance(entry, dict):
             logger.info("ORTModule: the exported graph of %s holds only for the traced input sizes (%s); it is "
                         "exported again for each new input shape", type(self.module).__name__, why)
-            self._compiled[key] = {} if entry is None else {entry.exported.shapes: entry}
+            table: dict = {}
+            for held in [] if entry is None else entry if isinstance(entry, list) else [entry]:
+                table[held.exported.shapes] = table.get(held.exported.shapes, []) + [held] \
+                    if held.exported.guards else held
+            self._compiled[key] = table
         return self._compiled[key]
 
     def _compile(self, leaves, spec, params, needs_grad, device):
@@ -151,6 +163,7 @@ class ORTModule(torch.nn.Module):
         self._exports += 1
         what = type(self.module).__name__
         logger.info("ORTModule: exporting %s for a new input signature (%d so far)", what, number)
+        training = self.module.training and torch.is_grad_enabled()  # the debug files' mode
         self._warn_constants(leaves, spec)
         try:
             # traced under the call's grad mode: the outputs then require grad as in PyTorch
@@ -167,8 +180,9 @@ class ORTModule(torch.nn.Module):
                 steps = breaks.cut(exported, set(wrt))
                 return breaks.Broken(exported, steps, lambda segment: Compiled(
                     segment.exported, segment.wrt if needs_grad else [], device, self._debug, number,
-                    self._session_options, self._saved_files))
-            return Compiled(exported, wrt, device, self._debug, number, self._session_options, self._saved_files)
+                    self._session_options, self._saved_files, training))
+            return Compiled(exported, wrt, device, self._debug, number, self._session_options, self._saved_files,
+                            training)
         except GradBuilderError as exc:
             if not self._fallback:
                 if isinstance(exc, ExportError):
@@ -185,9 +199,10 @@ class ORTModule(torch.nn.Module):
         for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(value, str):
                 where = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
-                warnings.warn(f"ORTModule: {type(self.module).__name__} takes the str {value!r} ({where}), which the "
-                              "exported graph holds as a constant: each other value exports the module again",
-                              UserWarning, stacklevel=7)
+                warnings.warn(f"ORTModule: Received input of type {type(value)} which may be treated as a constant "
+                              f"by ORT by default. {type(self.module).__name__} takes the str {value!r} ({where}): "
+                              "the exported graph holds it as a constant, and each other value exports the module "
+                              "again", UserWarning, stacklevel=7)
 
     @contextlib.contextmanager
     def _module_runs(self):

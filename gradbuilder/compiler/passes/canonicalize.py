@@ -320,3 +320,20 @@ def _shape_unknown(node: ir.Node) -> bool:
 
 def _integer_like(value: ir.Value) -> bool:
     return value.dtype is not None and not value.dtype.is_floating_point()
+
+
+def bfloat16_indices_in_float32(model: ir.Model, ctx) -> None:
+    """ArgMax and ArgMin of a bfloat16 tensor read it cast to float32: onnxruntime's CPU provider
+    has no bfloat16 kernel for them, and the cast is exact, so the index is the same."""
+    graph, unique = model.graph, ctx.unique
+    for node in list(graph):
+        if node.op_type not in ("ArgMax", "ArgMin") or node.domain not in ("", "ai.onnx"):
+            continue
+        x = node.inputs[0]
+        if x.dtype != ir.DataType.BFLOAT16:
+            continue
+        cast = ir.Node("", "Cast", [x], [ir.AttrInt64("to", ir.DataType.FLOAT)], name=unique(f"{node.name}_float"))
+        wide = cast.outputs[0]
+        wide.name, wide.dtype, wide.shape = unique(f"{x.name}_float"), ir.DataType.FLOAT, x.shape
+        graph.insert_before(node, cast)
+        node.replace_input_with(0, wide)
