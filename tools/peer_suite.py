@@ -48,7 +48,7 @@ PRIVATE = ["_utils", "_io", "_fallback", "_graph_execution_manager", "_execution
            "register_custom_op_symbolic", "_rt_inspector", "_runtime_options", "ortmodule.experimental",
            "_debug_options", "_mem_efficient", "_first_skip_check_warning", "OrtValue", "C.OrtValue",
            "_pybind_state", "_logger", "ortmodule_module", "_SkipCheck", "AdamWMode", "ORTMODULE_FALLBACK_RETRY",
-           "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "ORTMODULE_CACHE_DIR", "is_dynamic_axes"]
+           "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "ORTMODULE_CACHE_DIR", "is_dynamic_axes", "_is_training"]
 
 # Tests that cannot say anything here, each for the reason given.
 NOT_HERE = {
@@ -148,7 +148,7 @@ NOT_HERE = %r
 _pattern = re.compile("|".join(r"(?<![A-Za-z0-9])" + re.escape(n) + r"(?![A-Za-z0-9_])" for n in PRIVATE))
 _cuda = re.compile("|".join(re.escape(n) for n in CUDA_ONLY))
 _results = {}
-_deselected = {}
+_MARK = "not selected: "
 
 def _private_use(item):
     if item.originalname in NOT_HERE:
@@ -164,20 +164,20 @@ def _private_use(item):
     return f"uses the peer's private {found.group(0)}" if found else None
 
 def pytest_collection_modifyitems(config, items):
-    keep = []
+    # skipped with a reason (not deselected): the reason reaches the report from every worker
     for item in items:
         why = _private_use(item)
         if why:
-            _deselected[item.nodeid] = why
-        else:
-            keep.append(item)
-    config.hook.pytest_deselected(items=[i for i in items if i.nodeid in _deselected])
-    items[:] = keep
+            item.add_marker(pytest.mark.skip(reason=_MARK + why))
 
 def pytest_runtest_logreport(report):
     if report.when == "call" or report.outcome != "passed":
         if report.skipped:
-            _results.setdefault(report.nodeid, ("skipped", str(report.longrepr)[-200:]))
+            why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            if why.startswith("Skipped: "):
+                why = why[len("Skipped: "):]
+            outcome = "not selected" if why.startswith(_MARK) else "skipped"
+            _results.setdefault(report.nodeid, (outcome, why[len(_MARK):] if outcome == "not selected" else why))
         elif report.failed:
             text = str(report.longrepr).strip().splitlines()
             last = next((l for l in reversed(text) if l.startswith("E ")), text[-1] if text else "")
@@ -187,7 +187,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     with open(session.config.getoption("--peer-report") + "." + str(__import__("os").getpid()), "w") as f:
-        json.dump({"results": _results, "deselected": _deselected}, f)
+        json.dump({"results": _results}, f)
 
 def pytest_addoption(parser):
     parser.addoption("--peer-report", default="peer_report")
@@ -200,8 +200,8 @@ def _to_cpu(text: str) -> str:
     return text
 
 
-def _run(work: str, target: str, jobs: int, k: str | None, results: dict, deselected: dict) -> None:
-    """pytest on ``target`` in ``work``, its results and deselections added to ``results`` and ``deselected``."""
+def _run(work: str, target: str, jobs: int, k: str | None, results: dict) -> None:
+    """pytest on ``target`` in ``work``, its results added to ``results`` (node id -> (outcome, why))."""
     stem = os.path.join(work, "report")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "peer_plugin", "--peer-report", stem,
            "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", work, target]
@@ -218,7 +218,6 @@ def _run(work: str, target: str, jobs: int, k: str | None, results: dict, desele
                 part = json.load(f)
             os.remove(path)
             results.update(part["results"])
-            deselected.update(part["deselected"])
 
 
 def main(argv=None) -> int:
@@ -244,26 +243,27 @@ def main(argv=None) -> int:
             f.write(SHIM)
         with open(os.path.join(work, "peer_plugin.py"), "w") as f:
             f.write(PLUGIN % (PRIVATE, CUDA_ONLY, NOT_HERE))
-        results, deselected = {}, {}
+        results: dict = {}
         for test_file in FILES:  # one pytest each: every file sets and deletes the same variables
-            _run(work, test_file, args.jobs, args.k, results, deselected)
+            _run(work, test_file, args.jobs, args.k, results)
         # A worker that died (out of memory: the tests are sized for an 80 GB GPU) takes one test
         # with it: run each such test again alone.
         crashed = [node for node, (outcome, why) in results.items() if outcome == "failed" and "crashed" in why]
         for node in crashed:
             del results[node]
-            _run(work, node, 1, None, results, deselected)
+            _run(work, node, 1, None, results)
             if node not in results:
                 results[node] = ("failed", "the test process died (out of memory) when run alone")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     counts = {k: sum(1 for v in results.values() if v[0] == k) for k in ("passed", "failed", "skipped")}
     selected = counts["passed"] + counts["failed"]
+    deselected = {node: why for node, (outcome, why) in results.items() if outcome == "not selected"}
     reasons = {}
     for why in deselected.values():
         key = why.split(" (")[0] if why.startswith(("needs CUDA", "uses the peer")) else why
         reasons[key] = reasons.get(key, 0) + 1
-    print(f"\ncollected {len(results) + len(deselected)}: skipped by the tests {counts['skipped']}, "
+    print(f"\ncollected {len(results)}: skipped by the tests {counts['skipped']}, "
           f"not selected {len(deselected)}, selected {selected}")
     for why, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         print(f"  not selected: {n} {why}")
@@ -274,8 +274,7 @@ def main(argv=None) -> int:
     print(f"passed {counts['passed']} of {selected} selected ({100 * rate:.1f}%)")
     if args.report:
         with open(args.report, "w") as f:
-            json.dump({"counts": counts, "selected": selected, "rate": rate, "results": results,
-                       "deselected": deselected}, f, indent=1)
+            json.dump({"counts": counts, "selected": selected, "rate": rate, "results": results}, f, indent=1)
     return 0 if selected else 1
 
 
