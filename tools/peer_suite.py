@@ -205,8 +205,8 @@ def _run(work: str, target: str, jobs: int, k: str | None, results: dict) -> Non
     stem = os.path.join(work, "report")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "peer_plugin", "--peer-report", stem,
            "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", work, target]
-    if jobs > 1:
-        cmd += ["-n", str(jobs)]
+    if jobs > 1:  # a worker that dies is replaced however often (xdist stops the run after 4 per worker)
+        cmd += ["-n", str(jobs), "--max-worker-restart", "1000000"]
     if k:
         cmd += ["-k", k]
     env = dict(os.environ, PYTHONPATH=work + os.pathsep + os.environ.get("PYTHONPATH", ""))
