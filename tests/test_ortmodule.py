@@ -330,6 +330,9 @@ def test_debug_options_save_path_from_the_environment(tmp_path, monkeypatch):
     with pytest.raises(InvalidArgumentError, match=r"Directory .*missing is not writable\. \(from "
                                                    r"ORTMODULE_SAVE_ONNX_PATH\)"):
         DebugOptions(save_onnx=True, onnx_prefix="env_model")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(InvalidArgumentError, match=r"Directory .*a_file is not writable\."):
+        DebugOptions(save_onnx=True, onnx_prefix="env_model", save_path=str(tmp_path / "a_file"))
 
 
 class Branchy(torch.nn.Module):

@@ -126,11 +126,7 @@ class ORTModule(torch.nn.Module):
                 slots, slot = self._per_shape(key, compiled.exported.fixed_sizes), shapes
             else:
                 slots, slot = self._compiled, key
-            if compiled != "fallback" and compiled.exported.guards:
-                held = slots.get(slot)
-                slots[slot] = (held if isinstance(held, list) else []) + [compiled]
-            else:
-                slots[slot] = compiled
+            slots[slot] = _joined(slots.get(slot), compiled)
         if compiled == "fallback":
             with self._module_runs():
                 return self.module(*args, **kwargs)
@@ -153,8 +149,7 @@ class ORTModule(torch.nn.Module):
                         "exported again for each new input shape", type(self.module).__name__, why)
             table: dict = {}
             for held in [] if entry is None else entry if isinstance(entry, list) else [entry]:
-                table[held.exported.shapes] = table.get(held.exported.shapes, []) + [held] \
-                    if held.exported.guards else held
+                table[held.exported.shapes] = _joined(table.get(held.exported.shapes), held)
             self._compiled[key] = table
         return self._compiled[key]
 
@@ -339,6 +334,15 @@ class _RoutedForward:
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self._forward())
+
+
+def _joined(held, compiled):
+    """What a slot of the signature cache holds once ``compiled`` is added: a graph kept for the
+    values its code read of the call's tensors (``Exported.guards``) joins the others of the slot,
+    in a list; any other replaces what the slot held."""
+    if compiled != "fallback" and compiled.exported.guards:
+        return (held if isinstance(held, list) else []) + [compiled]
+    return compiled
 
 
 def _state_dict_names(module: ORTModule, incompatible) -> None:

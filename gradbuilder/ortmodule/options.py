@@ -71,10 +71,11 @@ class DebugOptions:
                                        f"{type(self.save_path).__name__} {self.save_path!r}")
         if not self.save_path and os.environ.get(SAVE_PATH_VARIABLE):
             self.save_path = os.environ[SAVE_PATH_VARIABLE]
-        if self.save_onnx and not os.access(self.save_path or os.getcwd(), os.W_OK):
+        directory = self.save_path or os.getcwd()
+        if self.save_onnx and not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
             where = f" (from {SAVE_PATH_VARIABLE})" if os.environ.get(SAVE_PATH_VARIABLE) == self.save_path else ""
-            raise InvalidArgumentError(f"DebugOptions: Directory {self.save_path or os.getcwd()} is not "
-                                       f"writable.{where} Give save_path a directory that exists and can be written")
+            raise InvalidArgumentError(f"DebugOptions: Directory {directory} is not writable.{where} Give "
+                                       "save_path a directory that exists and can be written")
         elif self.save_path and not os.path.isdir(self.save_path):
             raise InvalidArgumentError(f"DebugOptions: save_path '{self.save_path}' is not a directory")
 
