@@ -120,7 +120,7 @@ class LocalExecutor(Executor):
     # ------------------------------------------------------------------ the surface
     def run(self, feeds, rate, outputs, run_options=None):
         p = self.parts
-        results = self.run_graph(Kind.STEP, feeds, dict(p.state.values), {p.builder.lr_name: rate}, run_options)
+        results = self.run_graph(Kind.STEP, feeds, p.state.bound(), {p.builder.lr_name: rate}, run_options)
         self.check_finite(results)
         p.state.commit(results)
         return results

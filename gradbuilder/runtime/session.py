@@ -42,6 +42,7 @@ from ..compiler import modelio
 from ..errors import CheckpointError, InvalidArgumentError
 from ..interface import ACCUMULATION_STEP, GRAD_ACCUM, GRADIENT, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS, STEP, state_of
 from ..training.graph import from_parameters
+from ..training.stages import flat
 from ..training.stages.optimizer import jsonable
 from . import checkpoint, distributed, providers as _providers, schedulers
 from .executor import Executor, LocalExecutor, Parts, check_precision, resolve_providers
@@ -79,7 +80,13 @@ class TrainingSession:
             options = distributed.one_device_per_process(names, options)
         device = _providers.device_of(names, options)
         check_precision(params, device)
-        self._state = StateStore(initial, device)
+        # One flat buffer per dtype and options for the weights and each of their states, the
+        # step updating each in a few nodes (training.stages.flat); a distributed step keeps
+        # a tensor per weight (its buckets, shards and stages are by weight).
+        groups = flat.layout(self._facts.specs, self._builder.options_of, self._builder.optimizer) if topo is None else []
+        self._builder.flat_layout = groups
+        suffixes = ["", GRAD_ACCUM] + [f".{s}" for w in self.weights for s in self._builder.state_names_of(w)]
+        self._state = StateStore(initial, device, groups, dict.fromkeys(suffixes))
         del initial
         self._graphs = GraphCache(self._facts, self._builder, self._sess_options, names, options, device)
         self._parts = Parts(self._facts, self._builder, self._state, self._graphs, params)

@@ -23,11 +23,45 @@ from ..interface import ACCUMULATION_STEP, GRAD_ACCUM, state_input
 
 
 class StateStore:
-    def __init__(self, values: Mapping[str, object], device: tuple[str, int]):
+    """The state by name (``values``: every weight, optimizer state, ``Step``, ...). With
+    ``groups`` (a flat state, ``training.stages.flat``), the members of each group are held in
+    one buffer per group and per ``suffixes`` entry (``""``: the weights themselves,
+    ``".exp_avg"``, ``".grad_accum"``, ...; ``flat``: buffer name -> OrtValue), and each
+    member's value is a view of its buffer (``runtime.views``): whatever reads or writes a
+    weight by name reads or writes the buffer the step updates."""
+
+    def __init__(self, values: Mapping[str, object], device: tuple[str, int], groups=(), suffixes=("",)):
         self.device = device
+        self.flat: dict[str, ort.OrtValue] = {}  # group buffer -> its value
+        self._members: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}  # buffer -> (member, offset, shape)
+        values = dict(values)
+        for group in groups:
+            for suffix in suffixes:
+                names = [m.name + suffix for m in group.members]
+                if all(n in values for n in names):
+                    self._members[group.name + suffix] = [(n, m.offset, m.shape) for n, m in zip(names, group.members)]
+                    self.flat[group.name + suffix] = self.ortvalue(np.concatenate(
+                        [np.asarray(values.pop(n)).reshape(-1) for n in names]))
         self.values: dict[str, ort.OrtValue] = {n: self.ortvalue(v) for n, v in values.items()}
+        for name in self.flat:
+            self._make_views(name)
         self.grads: dict[str, ort.OrtValue] = {}  # the step-wise API's gradient buffers, by weight
         self._scalar: tuple[float, ort.OrtValue] | None = None  # the last float32 scalar, on the device
+
+    def _make_views(self, buffer: str) -> None:
+        from .views import view
+
+        for name, offset, shape in self._members[buffer]:
+            self.values[name] = view(self.flat[buffer], offset, shape)
+
+    @property
+    def packed(self) -> frozenset[str]:
+        """The names held in a group's buffer."""
+        return frozenset(n for members in self._members.values() for n, _, _ in members)
+
+    def bound(self) -> dict[str, ort.OrtValue]:
+        """Every value a graph may take: by name, and the group buffers."""
+        return {**self.values, **self.flat}
 
     def scalar(self, value: float) -> ort.OrtValue:
         """``value`` as a float32 scalar OrtValue on the device (the learning rate), kept for
@@ -56,10 +90,22 @@ class StateStore:
         return {n: self.values[n] for n in names}
 
     def commit(self, results: Mapping[str, ort.OrtValue]) -> None:
-        """Take every ``X.updated`` output of a successful run as the new ``X``."""
+        """Take every ``X.updated`` output of a successful run as the new ``X`` (a group buffer
+        updated elsewhere than in its own memory: its members are views of the new one; a
+        member updated elsewhere than in its view: copied into it)."""
+        packed = self.packed
         for name, value in results.items():
             target = state_input(name)
-            if target is not None:
+            if target is None:
+                continue
+            if target in self.flat:
+                if value.data_ptr() != self.flat[target].data_ptr():
+                    self.flat[target] = value
+                    self._make_views(target)
+            elif target in packed:
+                if value.data_ptr() != self.values[target].data_ptr():
+                    self.values[target].update_inplace(np.ascontiguousarray(value.numpy()))
+            else:
                 self.values[target] = value
 
     def array(self, name: str) -> np.ndarray:
@@ -87,8 +133,12 @@ class StateStore:
         """Replace values (already checked) with copies on the device; with ``owned``, C-order
         arrays that nothing else refers to (``checkpoint.load``'s) are taken as they are (on the
         CPU the state then lies in their memory)."""
+        packed = self.packed
         for name, value in values.items():
-            self.values[name] = self.ortvalue(value if owned else np.array(value, copy=True))
+            if name in packed:  # into its group's buffer
+                self.values[name].update_inplace(np.ascontiguousarray(value))
+            else:
+                self.values[name] = self.ortvalue(value if owned else np.array(value, copy=True))
 
     def drop(self, names: Iterable[str]) -> None:
         """Forget ``names``: other processes hold them (ZeRO, other pipeline stages)."""
@@ -101,7 +151,11 @@ class StateStore:
             return
         self.device = device
         self._scalar = None
-        self.values = {n: self.ortvalue(v.numpy()) for n, v in self.values.items()}
+        packed = self.packed
+        self.values = {n: self.ortvalue(v.numpy()) for n, v in self.values.items() if n not in packed}
+        self.flat = {n: self.ortvalue(v.numpy()) for n, v in self.flat.items()}
+        for name in self.flat:
+            self._make_views(name)
         self.grads = {n: self.ortvalue(v.numpy()) for n, v in self.grads.items()}
 
 

@@ -41,6 +41,7 @@ from ..compiler.builder import Appended, GradientGraphBuilder
 from ..errors import InvalidArgumentError
 from .stages.accumulate import COUNTER, accumulate
 from .stages.clip import clip_by_global_norm
+from .stages.flat import flatten
 from ..compiler.passes import named_output, new_input
 from .stages.loss_scale import LossScaling, all_finite, next_scale, scale_loss, unscale
 from .stages.optimizer import add_optimizer, initial_state, resolve, state_names
@@ -98,6 +99,9 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         self.state_dtype = ir.DataType.FLOAT16 if fp16_moments else None
         self.dump_paths: dict[str, str] = {}  # "gradient" / "training" / "transformed" -> path
         self.seed_state: dict[str, dict[str, np.ndarray]] = {}  # weight -> state -> initial value
+        # The groups of a flat state (stages.flat; a session's step), or none: a weight, its
+        # gradient and its states each a tensor of their own, as the written graphs keep them.
+        self.flat_layout: list = []
 
     def build(self) -> "TrainingGraphBuilder":
         super().build()
@@ -127,9 +131,13 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         gradients are finite (under loss scaling, its loss: an overflow is part of the scale
         search)."""
         inputs, outputs, apply = [], [], None
+        if self.flat_layout:
+            weights, grads, inputs = flatten(e, self.flat_layout, weights, grads,
+                                             ir.DataType.FLOAT16 if self.mixed_precision == "float16"
+                                             else ir.DataType.BFLOAT16 if self.mixed_precision else None)
         if scaled is not None:
             grads = unscale(e, grads, scaled)
-            inputs = list(scaled.inputs)
+            inputs = inputs + list(scaled.inputs)
         finite = all_finite(e, {**grads, self.loss: loss})
         keep = finite if scaled is None else all_finite(e, {self.loss: loss})
         if self.accumulation_steps > 1:
@@ -146,8 +154,11 @@ class TrainingGraphBuilder(GradientGraphBuilder):
             apply = finite
         if self.max_grad_norm is not None:
             grads = clip_by_global_norm(e, weights, grads, self.max_grad_norm).grads
+        per_weight = dict(self.per_weight_options)
+        per_weight.update({g.name: self.options_of(g.members[0].name) for g in self.flat_layout})
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
-                               self.lr_name, self.step_name, apply, self.state_dtype, self.per_weight_options)
+                               self.lr_name, self.step_name, apply, self.state_dtype, per_weight,
+                               gated=bool(self.flat_layout))
         flag = named_output(e, finite, ALL_FINITE, finite)
         return Appended(update.inputs + inputs, update.outputs + outputs + [flag], keep)
 

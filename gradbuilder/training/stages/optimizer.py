@@ -31,7 +31,7 @@ class Optimizer:
     torch: str  # the torch.optim class whose numerics the step follows
     defaults: dict  # every option, with its default
     states: Callable[[dict], list[str]]  # options -> the state tensors one weight carries
-    step: Callable  # (e, w, g, lr, t, states, options) -> (new weight, {state: new value})
+    step: Callable  # (e, w, g, lr, t, states, options, k) -> (new weight, {state: new value})
     fills: Callable[[dict], float] = lambda options: 0.0  # options -> every state's first value
 
 
@@ -93,13 +93,20 @@ def resolve(name: str, options: dict | None) -> dict:
 
 
 def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_name: str, step_name: str,
-                  apply=None, state_dtype=None, per_weight: dict[str, dict] | None = None) -> Appended:
+                  apply=None, state_dtype=None, per_weight: dict[str, dict] | None = None,
+                  gated: bool = False) -> Appended:
     """Append the update of every weight (ir.Values; ``grads`` maps weight name -> gradient).
     ``per_weight`` gives some weights options of their own (as torch's parameter groups);
     the others take ``options``. With ``apply`` (a bool scalar) the update takes effect only
     where it is true: otherwise weights, states and the step count come out unchanged
     (gradient accumulation, skipped steps). With ``state_dtype`` the first moments
-    (HALF_STATES) are stored in that type (float16 moments) and computed in the weight's."""
+    (HALF_STATES) are stored in that type (float16 moments) and computed in the weight's.
+
+    How ``apply`` decides: inside an If (a step that applies pays nothing for the choice), or
+    with ``gated`` by arithmetic on the device (:class:`Coefficients`: the gradient, the
+    learning rate and every coefficient that blends a state are chosen by scalar Wheres, so
+    that a skipped update computes exactly the old values), for graphs that must not read a
+    condition on the host (a flat state's step: a few tensors, no control flow)."""
     import numpy as np
     import onnx_ir as ir
 
@@ -118,16 +125,19 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
         olds.append((w, states))
         owns.append(own)
 
-    def update(u):
-        """The new weights, then the new states, then the step count, emitted by ``u``."""
+    def update(u, gate=None):
+        """The new weights, then the new states, then the step count, emitted by ``u``
+        (``gate``: the bool ``apply`` the arithmetic chooses by, or None)."""
         done = {}  # weight index -> (new weight, {state: new value})
         for members in _flat_groups(name, olds, owns):
             (w0, _), own = olds[members[0]], owns[members[0]]
+            k = Coefficients(u, w0, gate)
+            rate = k.rate(u.CastLike(lr, w0))
             if len(members) == 1:
                 w, states = olds[members[0]]
                 done[members[0]] = OPTIMIZERS[name].step(
-                    u, w, grads[w.name], u.CastLike(lr, w), u.CastLike(t, w),
-                    {s: u.CastLike(v, w) for s, v in states.items()}, own)
+                    u, w, k.gradient(grads[w.name]), rate, u.CastLike(t, w),
+                    {s: u.CastLike(v, w) for s, v in states.items()}, own, k)
                 continue
             # small weights of one dtype and the same options, updated as one flat tensor:
             # the same element-wise arithmetic in 13 ops instead of 13 per weight
@@ -137,27 +147,33 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
                 return u.Concat(*[u.Reshape(v, u.ints([-1])) for v in values], axis=0)
 
             new, new_values = OPTIMIZERS[name].step(
-                u, flat([olds[k][0] for k in members]), flat([grads[olds[k][0].name] for k in members]),
-                u.CastLike(lr, w0), u.CastLike(t, w0),
-                {s: flat([u.CastLike(olds[k][1][s], w0) for k in members]) for s in olds[members[0]][1]}, own)
+                u, flat([olds[j][0] for j in members]), k.gradient(flat([grads[olds[j][0].name] for j in members])),
+                rate, u.CastLike(t, w0),
+                {s: flat([u.CastLike(olds[j][1][s], w0) for j in members]) for s in olds[members[0]][1]}, own, k)
             parts = {key: u.split_into(v, len(members), 0, u.ints(sizes)) for key, v in [("w", new), *new_values.items()]}
-            for j, k in enumerate(members):
-                shape = u.ints([int(d) for d in olds[k][0].shape])
-                done[k] = (u.Reshape(parts["w"][j], shape),
-                           {s: u.Reshape(parts[s][j], shape) for s in new_values})
+            for i, j in enumerate(members):
+                shape = u.ints([int(d) for d in olds[j][0].shape])
+                done[j] = (u.Reshape(parts["w"][i], shape),
+                           {s: u.Reshape(parts[s][i], shape) for s in new_values})
         new_weights, new_states = [], []
-        for k, (w, states) in enumerate(olds):
-            new, new_values = done[k]
+        for j, (w, states) in enumerate(olds):
+            new, new_values = done[j]
             new_weights.append(new)
             new_states += [u.CastLike(new_values[s], states[s]) for s in states]
-        return new_weights + new_states + [t]
+        count = t if gate is None else u.Add(step, u.Cast(gate, to=int(ir.DataType.INT64)))
+        return new_weights + new_states + [count]
 
     likes = [w for w, _ in olds] + [v for _, states in olds for v in states.values()] + [step]
     # Where the update may not apply (accumulation micro-steps, a step whose gradients are
     # not finite) it runs inside If(apply): a step that applies pays nothing for the choice,
     # where a Where per weight and state read and wrote every tensor once more (29% of the
     # MLP benchmark's step).
-    news = update(e) if apply is None else e.if_(apply, update, lambda u: likes, likes, name="optimizer_update")
+    if apply is None:
+        news = update(e)
+    elif gated:
+        news = update(e, apply)
+    else:
+        news = e.if_(apply, update, lambda u: likes, likes, name="optimizer_update")
     outputs = [named_output(e, new, updated(like.name), like) for new, like in zip(news, likes)]
     # inputs: lr, step, then every state; outputs: the weights, the states, the step
     return Appended({}, inputs, outputs)
@@ -193,27 +209,57 @@ def _scalar(e, value: float, like):
     return e.scalar(float(value), like)
 
 
+class Coefficients:
+    """The scalars of one update, in the weight's type. Without a gate each is a constant;
+    with ``gate`` (a bool scalar: whether this run updates) a coefficient that moves a state
+    (``k(on, off)``) is ``on`` where the gate holds and ``off`` (the value that leaves the
+    state exactly as it was) where not, the gradient is zero where not (so that an inf or
+    NaN in it reaches nothing) and so is the learning rate: a skipped update computes the
+    old weights and states exactly, with no control flow."""
+
+    def __init__(self, e, like, gate=None):
+        self.e, self.like, self.gate = e, like, gate
+
+    def __call__(self, on: float, off: float):
+        """``on`` as a scalar, or ``off`` where the gate does not hold."""
+        value = _scalar(self.e, on, self.like)
+        if self.gate is None or on == off:
+            return value
+        return self.e.Where(self.gate, value, _scalar(self.e, off, self.like))
+
+    def rate(self, lr):
+        return lr if self.gate is None else self.e.Where(self.gate, lr, _scalar(self.e, 0.0, self.like))
+
+    def gradient(self, g):
+        return g if self.gate is None else self.e.Where(self.gate, g, _scalar(self.e, 0.0, g))
+
+    def only(self, cond):
+        """``cond`` and the gate."""
+        return cond if self.gate is None else self.e.And(cond, self.gate)
+
+
 # ----------------------------------------------------------------------------- the steps
-# Each returns (updated weight, {state: updated state}); lr and t are cast to w's type.
+# Each returns (updated weight, {state: updated state}); lr and t are cast to w's type, and
+# ``k`` (Coefficients) gives each scalar that moves a state, k(value, value when skipped).
 
 
-def _sgd(e, w, g, lr, t, states, o):
+def _sgd(e, w, g, lr, t, states, o, k):
     """g += wd w;  buf = g at t = 1, else momentum buf + (1 - dampening) g;
     g = g + momentum buf (nesterov) or buf;  w -= lr g"""
     if o["weight_decay"]:
-        g = e.Add(g, e.Mul(_scalar(e, o["weight_decay"], w), w))
+        g = e.Add(g, e.Mul(k(o["weight_decay"], 0.0), w))
     new = {}
     if o["momentum"]:
         buf = states["momentum_buffer"]
         mu = _scalar(e, o["momentum"], w)
-        blended = e.Add(e.Mul(mu, buf), e.Mul(_scalar(e, 1.0 - o["dampening"], w), g))
-        buf = e.Where(e.Equal(t, _scalar(e, 1.0, w)), g, blended)
+        blended = e.Add(e.Mul(k(o["momentum"], 1.0), buf), e.Mul(_scalar(e, 1.0 - o["dampening"], w), g))
+        buf = e.Where(k.only(e.Equal(t, _scalar(e, 1.0, w))), g, blended)
         new["momentum_buffer"] = buf
         g = e.Add(g, e.Mul(mu, buf)) if o["nesterov"] else buf
     return e.Sub(w, e.Mul(lr, g)), new
 
 
-def _adam(e, w, g, lr, t, states, o, decoupled=False):
+def _adam(e, w, g, lr, t, states, o, k, decoupled=False):
     """(AdamW: w *= 1 - lr wd)  (Adam: g += wd w)
     m = lerp(m, g, 1 - b1);  v = b2 v + (1 - b2) g^2;  (amsgrad: v_max = max(v_max, v))
     w -= lr / (1 - b1^t) * m / (sqrt(v or v_max) / sqrt(1 - b2^t) + eps)
@@ -227,10 +273,10 @@ def _adam(e, w, g, lr, t, states, o, decoupled=False):
         if decoupled:
             w = e.Mul(w, e.Sub(one, e.Mul(lr, wd)))
         else:
-            g = e.Add(g, e.Mul(wd, w))
+            g = e.Add(g, e.Mul(k(o["weight_decay"], 0.0), w))
     m = states["exp_avg"]
-    m = e.Add(m, e.Mul(e.Sub(g, m), _scalar(e, 1.0 - b1, w)))
-    v = e.Add(e.Mul(_scalar(e, b2, w), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
+    m = e.Add(m, e.Mul(e.Sub(g, m), k(1.0 - b1, 0.0)))
+    v = e.Add(e.Mul(k(b2, 1.0), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
     new = {"exp_avg": m, "exp_avg_sq": v}
     second = v
     if o["amsgrad"]:
@@ -251,14 +297,14 @@ def _bias_corrections(e, w, t, b1, b2, enabled):
     return e.Sub(one, e.Pow(_scalar(e, b1, w), t)), e.Sub(one, e.Pow(_scalar(e, b2, w), t))
 
 
-def _lamb(e, w, g, lr, t, states, o):
+def _lamb(e, w, g, lr, t, states, o, k):
     """LAMB (You et al., 2019), as onnxruntime's LambOptimizer:
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  r = m^ / (sqrt(v^) + eps) (bias-corrected
     hats);  u = r + wd w;  ratio = clip(||w|| / ||u||, ratio_min, ratio_max), 1 where either
     norm is 0;  w -= lr ratio u"""
     b1, b2 = (float(b) for b in o["betas"])
-    m = e.Add(e.Mul(_scalar(e, b1, w), states["exp_avg"]), e.Mul(_scalar(e, 1.0 - b1, w), g))
-    v = e.Add(e.Mul(_scalar(e, b2, w), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
+    m = e.Add(e.Mul(k(b1, 1.0), states["exp_avg"]), e.Mul(_scalar(e, 1.0 - b1, w), g))
+    v = e.Add(e.Mul(k(b2, 1.0), states["exp_avg_sq"]), e.Mul(_scalar(e, 1.0 - b2, w), e.Mul(g, g)))
     bias1, bias2 = _bias_corrections(e, w, t, b1, b2, o["bias_correction"])
     r = e.Div(e.Div(m, bias1), e.Add(e.Sqrt(e.Div(v, bias2)), _scalar(e, o["eps"], w)))
     u = e.Add(r, e.Mul(_scalar(e, o["weight_decay"], w), w)) if o["weight_decay"] else r
@@ -272,15 +318,15 @@ def _lamb(e, w, g, lr, t, states, o):
     return e.Sub(w, e.Mul(e.Mul(lr, ratio), u)), {"exp_avg": m, "exp_avg_sq": v}
 
 
-def _adamw(e, w, g, lr, t, states, o):
-    return _adam(e, w, g, lr, t, states, o, decoupled=True)
+def _adamw(e, w, g, lr, t, states, o, k):
+    return _adam(e, w, g, lr, t, states, o, k, decoupled=True)
 
 
-def _adagrad(e, w, g, lr, t, states, o):
+def _adagrad(e, w, g, lr, t, states, o, k):
     """g += wd w;  clr = lr / (1 + (t - 1) lr_decay);  sum += g^2;  w -= clr g / (sqrt(sum) + eps)"""
     one = _scalar(e, 1.0, w)
     if o["weight_decay"]:
-        g = e.Add(g, e.Mul(_scalar(e, o["weight_decay"], w), w))
+        g = e.Add(g, e.Mul(k(o["weight_decay"], 0.0), w))
     clr = e.Div(lr, e.Add(one, e.Mul(e.Sub(t, one), _scalar(e, o["lr_decay"], w))))
     total = e.Add(states["sum"], e.Mul(g, g))
     step = e.Div(g, e.Add(e.Sqrt(total), _scalar(e, o["eps"], w)))
