@@ -163,7 +163,9 @@ def layer_norm(n, dys, needs, e):
     xc = cast_to(e, x, compute_type(x, attr(n, "stash_type", 1)))
     outs = list(n.outputs)
     saved = (outs[1], outs[2]) if len(outs) == 3 and all(o is not None and o.name for o in outs[1:]) else None
-    s = Moments(e, xc, trailing_axes(e, x, attr(n, "axis", -1)), attr(n, "epsilon", 1e-5), saved=saved)
+    axes = trailing_axes(e, x, attr(n, "axis", -1))
+    s = Moments(e, xc, axes, attr(n, "epsilon", 1e-5), form="mean", saved=saved,
+                xhat=_normalized(e, n, xc, axes) if saved is not None else None)
     dx = dscale = db = None
     if dy is not None:
         xhat = e.CastLike(s.xhat, x)
@@ -176,6 +178,19 @@ def layer_norm(n, dys, needs, e):
         dx = s.backward(dxhat, dmu, dr)
         dx = e.CastLike(dx, x) if dx is not None else None
     return [dx, dscale, db][: len(n.inputs)]
+
+
+def _normalized(e, n, xc, axes):
+    """xhat of a LayerNormalization as the same node computes it without its affine part
+    (Scale 1, B 0), where the normalized dims are known; else None."""
+    d = dims_of(xc)
+    if not isinstance(axes, list) or d is None or not all(isinstance(d[a], int) for a in axes):
+        return None
+    shape = [d[a] for a in axes]
+    ones, zeros = (e.const(np.full(shape, v, xc.dtype.numpy())) for v in (1, 0))
+    xhat = e.op("LayerNormalization", xc, ones, zeros, axis=axes[0], epsilon=attr(n, "epsilon", 1e-5),
+                stash_type=attr(n, "stash_type", 1))
+    return e.typed(xhat, xc.dtype, d)
 
 
 # ----------------------------------------------------------------------------- Instance/GroupNormalization

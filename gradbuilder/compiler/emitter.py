@@ -311,7 +311,7 @@ class Emitter:
                     # matrix-vector product that onnxruntime runs on every thread, where its
                     # ReduceSum over the leading axes gets slower with a second thread
                     m, n = int(np.prod(g[:lead])), int(np.prod(g[lead:], dtype=np.int64))
-                    flat = self.Reshape(grad, self.ints([m, n]))
+                    flat = grad if len(g) == 2 else self.Reshape(grad, self.ints([m, n]))
                     ones = self.const(np.ones((1, m), np.float32))
                     out = self.Reshape(self.MatMul(ones, flat), self.ints(list(x)))
                 elif len(axes) == lead:  # only leading axes: one ReduceSum without keepdims

@@ -199,8 +199,9 @@ class LocalExecutor(Executor):
                                     f"{exc}") from exc
             compat.warn(f"{providers[0]} failed ({exc}); falling back to CPUExecutionProvider", RuntimeWarning)
             self.place(["CPUExecutionProvider"])
-            bound = {n: p.state.ortvalue(_numpy(v)) for n, v in bound.items()}
-            return p.graphs[kind].run(bound, None, run_options)
+            graph = p.graphs[kind]
+            bound = {n: p.state.ortvalue(_numpy(v)) for n, v in bound.items() if n in graph.inputs}
+            return graph.run(bound, None, run_options)
 
     def _bound(self, kind: Kind, graph, state, per_run, run_options, into={}) -> dict[str, ort.OrtValue]:
         """A run through the graph's StepBinding (made again when the state was replaced since:

@@ -158,7 +158,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         per_weight.update({g.name: self.options_of(g.members[0].name) for g in self.flat_layout})
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
                                self.lr_name, self.step_name, apply, self.state_dtype, per_weight,
-                               gated=bool(self.flat_layout))
+                               gated=frozenset(g.name for g in self.flat_layout))
         flag = named_output(e, finite, ALL_FINITE, finite)
         return Appended(update.inputs + inputs, update.outputs + outputs + [flag], keep)
 

@@ -61,15 +61,22 @@ def group_name(dtype: np.dtype, index: int) -> str:
     return f"{FLAT_WEIGHTS}.{np.dtype(dtype).name}" + (f".{index}" if index else "")
 
 
+# Weights of more elements stay tensors of their own, updated apart: reading a weight from its
+# group copies it once a step (the Split) and joining the gradients copies them (the Concat),
+# which costs nothing next to the launches it saves for the many small tensors of a layer, but
+# doubles the step's memory for an embedding table of gigabytes (tests/test_large_models.py).
+LARGEST = 1 << 24
+
+
 def layout(specs: Mapping[str, np.ndarray], options_of: Callable[[str], dict], optimizer: str) -> list[Group]:
     """The groups of the weights ``specs`` (name -> an array of its dtype and shape), in their
     order: one per dtype and set of options (``options_of(weight)``). None for LAMB, whose
-    trust ratio is per weight; weights with no element stay apart."""
+    trust ratio is per weight; weights with no element or more than LARGEST stay apart."""
     if optimizer == "lamb":
         return []
     keyed: dict[tuple, list[str]] = {}
     for name, spec in specs.items():
-        if int(np.prod(spec.shape, dtype=np.int64)) > 0:
+        if 0 < int(np.prod(spec.shape, dtype=np.int64)) <= LARGEST:
             keyed.setdefault((np.dtype(spec.dtype).str, repr(sorted(options_of(name).items()))), []).append(name)
     groups, per_dtype = [], {}
     for (dtype, _), names in keyed.items():
@@ -136,13 +143,15 @@ def _casts_to(node, low) -> bool:
 
 
 def _joined(e, group: Group, grads: list, dtype, low):
-    """The members' gradients as one 1-D tensor of ``dtype``; consecutive ones that are casts
-    from ``low`` are joined in ``low`` and cast once."""
+    """The members' gradients as one 1-D tensor of ``dtype``: each as a row [1, size] (a
+    gradient that a Reshape made from such a row, as a bias's sum over the batch is, taken
+    before that Reshape), joined along the rows' axis, then made 1-D; consecutive ones that are
+    casts from ``low`` are joined in ``low`` and cast once."""
     parts, run = [], []
 
     def flush():
         if run:
-            joined = e.Concat(*run, axis=0) if len(run) > 1 else run[0]
+            joined = e.Concat(*run, axis=1) if len(run) > 1 else run[0]
             parts.append(e.Cast(joined, to=int(dtype)))
             run.clear()
 
@@ -150,13 +159,23 @@ def _joined(e, group: Group, grads: list, dtype, low):
         producer = g.producer()
         source = producer.inputs[0] if producer is not None and low is not None and producer.op_type == "Cast" else None
         if source is not None and source.dtype == low:
-            run.append(_flat(e, source, member))
+            run.append(_row(e, source, member))
             continue
         flush()
-        parts.append(_flat(e, g, member))
+        parts.append(_row(e, g, member))
     flush()
-    return e.Concat(*parts, axis=0) if len(parts) > 1 else parts[0]
+    joined = e.Concat(*parts, axis=1) if len(parts) > 1 else parts[0]
+    return e.Reshape(joined, [-1])
 
 
-def _flat(e, value, member: Member):
-    return value if len(member.shape) == 1 else e.Reshape(value, [-1])
+def _row(e, value, member: Member):
+    """``value`` as a row [1, size]: what a Reshape read, when it read a row or any tensor it
+    reshaped; else one Reshape."""
+    from ...compiler.values import dims_of
+
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Reshape" and producer.domain in ("", "ai.onnx"):
+        value = producer.inputs[0]
+        if dims_of(value) == (1, member.size):
+            return value
+    return e.Reshape(value, [1, -1])

@@ -71,10 +71,14 @@ def unscale(e, grads: dict[str, ir.Value], scaled: Scaled) -> dict[str, ir.Value
 
 def all_finite(e, grads: dict[str, ir.Value]) -> ir.Value:
     """A bool scalar: no value of ``grads`` (gradients, the loss) holds an inf or NaN (their
-    float32 sum is finite: an inf or NaN anywhere makes it inf or NaN)."""
-    sums = [e.Cast(e.reduce("ReduceSum", g, None, keepdims=False), to=int(ir.DataType.FLOAT)) for g in grads.values()]
+    float32 sum is finite: an inf or NaN anywhere makes it inf or NaN; and a float is finite
+    exactly where it minus itself is 0, where inf - inf and NaN are NaN)."""
+    sums = []
+    for g in grads.values():
+        total = g if g.shape is not None and g.shape.rank() == 0 else e.reduce("ReduceSum", g, None, keepdims=False)
+        sums.append(total if g.dtype == ir.DataType.FLOAT else e.Cast(total, to=int(ir.DataType.FLOAT)))
     total = e.op("Sum", *sums) if len(sums) > 1 else sums[0]
-    finite = e.Not(e.Or(e.IsInf(total), e.IsNaN(total)))
+    finite = e.Equal(e.Sub(total, total), e.const(np.array(0.0, np.float32)))
     finite.dtype, finite.shape = ir.DataType.BOOL, ir.Shape([])
     return finite
 

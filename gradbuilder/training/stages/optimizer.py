@@ -94,7 +94,7 @@ def resolve(name: str, options: dict | None) -> dict:
 
 def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_name: str, step_name: str,
                   apply=None, state_dtype=None, per_weight: dict[str, dict] | None = None,
-                  gated: bool = False) -> Appended:
+                  gated: frozenset[str] = frozenset()) -> Appended:
     """Append the update of every weight (ir.Values; ``grads`` maps weight name -> gradient).
     ``per_weight`` gives some weights options of their own (as torch's parameter groups);
     the others take ``options``. With ``apply`` (a bool scalar) the update takes effect only
@@ -103,10 +103,11 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
     (HALF_STATES) are stored in that type (float16 moments) and computed in the weight's.
 
     How ``apply`` decides: inside an If (a step that applies pays nothing for the choice), or
-    with ``gated`` by arithmetic on the device (:class:`Coefficients`: the gradient, the
-    learning rate and every coefficient that blends a state are chosen by scalar Wheres, so
-    that a skipped update computes exactly the old values), for graphs that must not read a
-    condition on the host (a flat state's step: a few tensors, no control flow)."""
+    for the weights named in ``gated`` by arithmetic on the device (:class:`Coefficients`: the
+    gradient, the learning rate and every coefficient that blends a state are chosen by
+    scalar Wheres, so that a skipped update computes exactly the old values), for weights
+    whose choice must not read a condition on the host (a flat state's groups: a few tensors,
+    no control flow)."""
     import numpy as np
     import onnx_ir as ir
 
@@ -125,11 +126,12 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
         olds.append((w, states))
         owns.append(own)
 
-    def update(u, gate=None):
-        """The new weights, then the new states, then the step count, emitted by ``u``
-        (``gate``: the bool ``apply`` the arithmetic chooses by, or None)."""
+    def update(u, chosen: list[int], gate=None) -> list:
+        """The new weights of ``chosen`` (indices into ``olds``), then their new states,
+        emitted by ``u`` (``gate``: the bool ``apply`` the arithmetic chooses by, or None)."""
         done = {}  # weight index -> (new weight, {state: new value})
-        for members in _flat_groups(name, olds, owns):
+        for members in _flat_groups(name, [olds[j] for j in chosen], [owns[j] for j in chosen]):
+            members = [chosen[j] for j in members]
             (w0, _), own = olds[members[0]], owns[members[0]]
             k = Coefficients(u, w0, gate)
             rate = k.rate(u.CastLike(lr, w0))
@@ -141,7 +143,7 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
                 continue
             # small weights of one dtype and the same options, updated as one flat tensor:
             # the same element-wise arithmetic in 13 ops instead of 13 per weight
-            sizes = [int(np.prod([int(d) for d in olds[k][0].shape], dtype=np.int64)) for k in members]
+            sizes = [int(np.prod([int(d) for d in olds[j][0].shape], dtype=np.int64)) for j in members]
 
             def flat(values):
                 return u.Concat(*[u.Reshape(v, u.ints([-1])) for v in values], axis=0)
@@ -155,26 +157,33 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
                 shape = u.ints([int(d) for d in olds[j][0].shape])
                 done[j] = (u.Reshape(parts["w"][i], shape),
                            {s: u.Reshape(parts[s][i], shape) for s in new_values})
-        new_weights, new_states = [], []
-        for j, (w, states) in enumerate(olds):
-            new, new_values = done[j]
-            new_weights.append(new)
-            new_states += [u.CastLike(new_values[s], states[s]) for s in states]
-        count = t if gate is None else u.Add(step, u.Cast(gate, to=int(ir.DataType.INT64)))
-        return new_weights + new_states + [count]
+        return ([done[j][0] for j in chosen]
+                + [u.CastLike(done[j][1][s], olds[j][1][s]) for j in chosen for s in olds[j][1]])
 
-    likes = [w for w, _ in olds] + [v for _, states in olds for v in states.values()] + [step]
+    def likes_of(chosen: list[int]) -> list:
+        return [olds[j][0] for j in chosen] + [olds[j][1][s] for j in chosen for s in olds[j][1]]
+
     # Where the update may not apply (accumulation micro-steps, a step whose gradients are
     # not finite) it runs inside If(apply): a step that applies pays nothing for the choice,
     # where a Where per weight and state read and wrote every tensor once more (29% of the
-    # MLP benchmark's step).
+    # MLP benchmark's step). The ``gated`` weights (a flat state's groups: a few tensors)
+    # choose by arithmetic instead, with no control flow.
+    everything = list(range(len(olds)))
+    arithmetic = [j for j in everything if apply is not None and olds[j][0].name in gated]
+    branched = [j for j in everything if j not in arithmetic]
+    news = dict(zip([id(v) for v in likes_of(arithmetic)], update(e, arithmetic, apply)))
     if apply is None:
-        news = update(e)
-    elif gated:
-        news = update(e, apply)
+        news.update(zip([id(v) for v in likes_of(branched)], update(e, branched)))
+        count = t
     else:
-        news = e.if_(apply, update, lambda u: likes, likes, name="optimizer_update")
-    outputs = [named_output(e, new, updated(like.name), like) for new, like in zip(news, likes)]
+        if branched:
+            likes = likes_of(branched)
+            outs = e.if_(apply, lambda u: update(u, branched), lambda u: likes, likes, name="optimizer_update")
+            news.update(zip([id(v) for v in likes], outs))
+        count = e.Add(step, e.Cast(apply, to=int(ir.DataType.INT64)))
+    likes = likes_of(everything)
+    outputs = [named_output(e, news[id(like)], updated(like.name), like) for like in likes]
+    outputs.append(named_output(e, count, updated(step.name), step))
     # inputs: lr, step, then every state; outputs: the weights, the states, the step
     return Appended({}, inputs, outputs)
 
