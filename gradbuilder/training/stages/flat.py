@@ -9,8 +9,9 @@ The graph side, in a step graph:
   ``Reshape`` (which aliases) per member of rank other than 1; under mixed precision one
   ``Cast`` of the whole buffer to the half type and one ``Split`` of that, where a member was
   read in half precision (instead of one Cast per weight);
-- the gradients of the members are joined into the group's gradient by one ``Concat`` (runs
-  of members whose gradients come back from half precision are joined in half and cast once);
+- the gradients of the members are joined into the group's gradient ``Weights.<dtype>_grad``
+  by one ``Concat`` (runs of members whose gradients come back from half precision are joined
+  in half and cast once);
 - every later stage (unscaling, the finiteness check, accumulation, clipping, the optimizer)
   sees the group as one weight named :func:`group_name` with one gradient.
 
@@ -26,7 +27,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ...interface import FLAT_WEIGHTS
+from ...interface import FLAT_WEIGHTS, GRADIENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,9 @@ def flatten(e, groups: list[Group], weights: list, grads: dict, low=None) -> tup
             if w in graph.inputs:
                 graph.inputs.remove(w)
             graph.initializers.pop(w.name, None)
-        flat_grads[group.name] = _joined(e, group, [grads[m.name] for m in group.members], members[0].dtype, low)
+        joined = _joined(e, group, [grads[m.name] for m in group.members], members[0].dtype, low)
+        joined.name = e.unique(group.name + GRADIENT)  # Weights.float32_grad, as a weight's W_grad
+        flat_grads[group.name] = joined
         buffers.append(buffer)
     graph.sort()  # the views before their readers
     grouped = {m.name for g in groups for m in g.members}

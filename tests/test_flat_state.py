@@ -1,0 +1,215 @@
+"""The flat state of a session's step (training.stages.flat, runtime.state, runtime.views): the
+weights of one dtype and options, their gradients and optimizer states in one buffer each, the
+update a fixed handful of nodes whatever the number of weights, and everything that reads or
+writes the state by name unchanged."""
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from gradbuilder import TrainingParameters, TrainingSession
+from gradbuilder.runtime.views import view
+from gradbuilder.training.stages import flat
+
+from .helpers import make_model, tensor, vi
+
+CPU = ["CPUExecutionProvider"]
+
+
+def mlp(layers: int, width: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """``layers`` x (MatMul, Add, Relu), a MatMul to 3 classes, SoftmaxCrossEntropyLoss."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, h = [], [], "x"
+    for k in range(layers):
+        nodes += [helper.make_node("MatMul", [h, f"W{k}"], [f"m{k}"]), helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"]),
+                  helper.make_node("Relu", [f"a{k}"], [f"h{k}"])]
+        inits += [tensor(f"W{k}", (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)),
+                  tensor(f"b{k}", (0.1 * rng.standard_normal(width)).astype(np.float32))]
+        h = f"h{k}"
+    nodes += [helper.make_node("MatMul", [h, "Wo"], ["logits"]),
+              helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], reduction="mean")]
+    inits.append(tensor("Wo", rng.standard_normal((width, 3)).astype(np.float32)))
+    return make_model(nodes, [vi("x", [4, width]), vi("y", [4], TensorProto.INT64)], [vi("loss", [])], inits)
+
+
+def batches(n: int, width: int = 8, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((4, width)).astype(np.float32), "y": rng.integers(0, 3, 4)} for _ in range(n)]
+
+
+def session(model, threads: int = 1, per_tensor: bool = False, monkeypatch=None, **options) -> TrainingSession:
+    """A session on ``model``; ``per_tensor``: with no groups (every weight a tensor of its own,
+    as before the flat state)."""
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name=options.pop("optimizer", "adamw"),
+                                enable_grad_norm_clip=False, **options)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if per_tensor:
+        monkeypatch.setattr(flat, "layout", lambda *args, **kwargs: [])
+    try:
+        return TrainingSession(model, params, sess_options=so, providers=CPU)
+    finally:
+        if per_tensor:
+            monkeypatch.undo()
+
+
+def step_graph(s: TrainingSession) -> onnx.ModelProto:
+    return onnx.ModelProto.FromString(s._graphs.serialized("step"))
+
+
+def update_nodes(model: onnx.ModelProto) -> int:
+    """The nodes between the groups' gradients (``Weights.<dtype>_grad``) and the state outputs."""
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    consumers = collections.defaultdict(list)
+    for n in nodes:
+        for i in n.input:
+            consumers[i].append(n)
+    after, stack = set(), [v for n in nodes for v in n.output if v.endswith("_grad") and v.startswith("Weights.")]
+    assert stack
+    while stack:
+        for n in consumers[stack.pop()]:
+            if id(n) not in after:
+                after.add(id(n))
+                stack.extend(n.output)
+    before, stack = set(), [o.name for o in model.graph.output if o.name.endswith(".updated")]
+    while stack:
+        n = producer.get(stack.pop())
+        if n is not None and id(n) not in before:
+            before.add(id(n))
+            stack.extend(n.input)
+    return len(after & before)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adagrad"])
+def test_the_update_does_not_grow_with_the_number_of_weights(optimizer):
+    params = {"optimizer": optimizer, "gradient_accumulation_steps": 2}
+    counts = [update_nodes(step_graph(session(mlp(layers), **params))) for layers in (4, 40)]
+    assert counts[0] == counts[1] and counts[0] < 40, counts
+
+
+def test_the_step_reads_no_size_on_the_host_and_updates_its_buffers_in_place():
+    s = session(mlp(3))
+    ops = collections.Counter(n.op_type for n in step_graph(s).graph.node)
+    assert not ops.keys() & {"If", "Loop", "Scan", "Shape", "Size", "Range", "ConstantOfShape", "NonZero"}, ops
+    assert sorted(s._state.flat) == ["Weights.float32", "Weights.float32.exp_avg", "Weights.float32.exp_avg_sq"]
+    pointers = {n: v.data_ptr() for n, v in s._state.flat.items()}
+    for feeds in batches(3):
+        s.run(["loss"], feeds)
+    assert {n: v.data_ptr() for n, v in s._state.flat.items()} == pointers
+
+
+def _train(s: TrainingSession, feeds_list, nonfinite_at=None, load_at=None) -> list:
+    losses = []
+    for k, feeds in enumerate(feeds_list):
+        if k == load_at:
+            values = {"W1": np.full((8, 8), 0.05, np.float32)}
+            if "b0.exp_avg" in s._state:  # adam's first moment (float16 with use_fp16_moments)
+                values["b0.exp_avg"] = np.full(8, 0.01, s.get_optimizer_state()["b0"]["exp_avg"].dtype)
+            s.load_state(values)
+        if k == nonfinite_at:
+            feeds = {**feeds, "x": np.full_like(feeds["x"], np.nan)}
+        losses.append(s.run(["loss"], feeds)[0])
+    return losses
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+@pytest.mark.parametrize("options", [
+    {"optimizer": "adamw"},
+    {"optimizer": "adam", "optimizer_attributes_map": {}},
+    {"optimizer": "sgd", "gradient_accumulation_steps": 2},
+    {"optimizer": "adagrad"},
+    {"optimizer": "adamw", "use_fp16_moments": True},
+])
+def test_flat_steps_are_bit_identical_to_a_tensor_per_weight(monkeypatch, threads, options):
+    """The same model trained with groups and with a tensor per weight: the same losses, weights
+    and optimizer states to the bit, across a skipped non-finite step and a load_state."""
+    model, data = mlp(3), batches(10)
+    sessions = [session(model, threads, per_tensor=p, monkeypatch=monkeypatch, **dict(options)) for p in (False, True)]
+    with pytest.warns(RuntimeWarning, match="inf or NaN"):
+        got = [_train(s, data, nonfinite_at=3, load_at=6) for s in sessions]
+    assert np.array_equal(got[0], got[1], equal_nan=True) and np.isnan(got[0][3])
+    assert_same_state(*sessions)
+    assert sessions[0].step == sessions[1].step > 3
+
+
+def assert_same_state(a: TrainingSession, b: TrainingSession) -> None:
+    x, y = a.get_state(), b.get_state()
+    for w, value in y["model"]["full_precision"].items():
+        assert np.array_equal(x["model"]["full_precision"][w], value), w
+        for name, state in y["optimizer"][w].items():
+            assert np.array_equal(x["optimizer"][w][name], state), (w, name)
+    assert np.array_equal(x["optimizer"]["shared_optimizer_state"]["Step"], y["optimizer"]["shared_optimizer_state"]["Step"])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_the_state_by_name_is_the_groups_buffer(monkeypatch, threads):
+    flat_s, tensor_s = (session(mlp(3), threads, per_tensor=p, monkeypatch=monkeypatch) for p in (False, True))
+    for feeds in batches(4):
+        for s in (flat_s, tensor_s):
+            s.run(["loss"], feeds)
+    assert_same_state(flat_s, tensor_s)
+    a = flat_s.get_state()
+    # each weight is its place in the buffer, and a weight set by name is written there
+    (group,) = [g for g in flat.layout(flat_s._facts.specs, flat_s._builder.options_of, "adamw")]
+    buffer = flat_s._state.flat[group.name].numpy()
+    for m in group.members:
+        assert np.array_equal(buffer[m.offset: m.offset + m.size].reshape(m.shape), a["model"]["full_precision"][m.name])
+    flat_s.load_state({"b1": np.arange(8, dtype=np.float32)})
+    member = next(m for m in group.members if m.name == "b1")
+    assert np.array_equal(flat_s._state.flat[group.name].numpy()[member.offset: member.offset + 8], np.arange(8))
+    assert np.array_equal(flat_s.get_state()["model"]["full_precision"]["b1"], np.arange(8))
+
+
+def test_checkpoints_move_between_flat_and_per_tensor_sessions(monkeypatch, tmp_path):
+    """A checkpoint holds weights and states by name whatever the layout: one written by a
+    session with a tensor per weight (as every earlier release) resumes in a flat one, and the
+    other way round, continuing exactly as the session that wrote it."""
+    model, data = mlp(3), batches(8)
+    for writer_flat in (False, True):
+        writer = session(model, per_tensor=not writer_flat, monkeypatch=monkeypatch)
+        _train(writer, data[:4])
+        path = tmp_path / f"ck{writer_flat}.safetensors"
+        writer.save_checkpoint(path)
+        reader = session(model, per_tensor=writer_flat, monkeypatch=monkeypatch)
+        reader.load_checkpoint(path)
+        assert [float(x) for x in _train(reader, data[4:])] == [float(x) for x in _train(writer, data[4:])]
+
+
+def test_a_weight_over_the_largest_stays_apart(monkeypatch):
+    """A weight of more than flat.LARGEST elements is a tensor of its own, updated in the If as
+    before; the others are grouped; both train as a tensor per weight does."""
+    monkeypatch.setattr(flat, "LARGEST", 50)
+    model, data = mlp(2), batches(5)
+    s = session(model)
+    assert {m.name for g in s._builder.flat_layout for m in g.members} == {"b0", "b1", "Wo"}
+    ops = collections.Counter(n.op_type for n in step_graph(s).graph.node)
+    assert ops["If"] == 1
+    reference = session(model, per_tensor=True, monkeypatch=monkeypatch)
+    assert [float(x) for x in _train(s, data)] == [float(x) for x in _train(reference, data)]
+
+
+def test_the_export_and_eval_read_the_trained_weights(tmp_path):
+    s = session(mlp(2))
+    for feeds in batches(3):
+        s.run(["loss"], feeds)
+    path = s.export_model_for_inferencing(tmp_path / "inference.onnx", ["loss"])
+    feeds = batches(1, seed=5)[0]
+    exported = ort.InferenceSession(str(path), providers=CPU).run(None, feeds)[0]
+    assert np.allclose(exported, s.eval_step(feeds["x"], feeds["y"]), rtol=1e-6)
+
+
+def test_a_view_shares_the_buffers_memory_and_keeps_it_alive():
+    for dtype in (np.float32, np.float16, np.float64):
+        buffer = ort.OrtValue.ortvalue_from_numpy(np.arange(12, dtype=dtype))
+        v, scalar = view(buffer, 2, [2, 3]), view(buffer, 11, [])
+        del buffer
+        assert v.shape() == [2, 3] and np.array_equal(v.numpy(), np.arange(2, 8, dtype=dtype).reshape(2, 3))
+        assert float(scalar.numpy()) == 11
+        v.update_inplace(np.full((2, 3), 7, dtype))
+        v.numpy()[0, 0] = 5  # on the CPU numpy() is the memory itself
+        assert v.numpy().tolist() == [[5, 7, 7], [7, 7, 7]]
