@@ -43,6 +43,7 @@ from .passes.padded_sums import padded_sums_as_concat
 from .passes.race_free_scatter import scatter_reductions_race_free
 from .passes.recompute import apply_recompute
 from .passes.running_stats import expose_running_statistics, restore_training_mode
+from .passes.standard_losses import class_losses_as_standard_ops
 from .passes.store_trips import store_loop_trips
 from .passes.vector_products import vector_products_without_transpose
 from ..interface import GRADIENT
@@ -74,6 +75,7 @@ PREPARE: tuple[PassFunction, ...] = (
 
 # After the backward nodes and the graph's outputs are in place.
 FINISH: tuple[PassFunction, ...] = (
+    class_losses_as_standard_ops,
     padded_sums_as_concat,
     apply_recompute,
     scatter_reductions_race_free,

@@ -27,6 +27,7 @@ from ...errors import InvalidArgumentError, ProviderError
 # tf32_option and collective_backends too, outside __all__ as before).
 from .base import CPU, CUDA, _lock
 from .build import collective_backends, get_build_info, get_version_string, has_collective_ops
+from .cuda_kernels import kernel_table_source, nodes_without_cuda_kernel
 from .discovery import (
     _candidates,
     _default_options,
@@ -45,6 +46,8 @@ __all__ = [
     "device_of",
     "get_available_providers",
     "get_build_info",
+    "kernel_table_source",
+    "nodes_without_cuda_kernel",
     "get_version_string",
     "has_collective_ops",
     "register_provider_lib",
