@@ -23,8 +23,10 @@ Models:
 
 Printed per model and precision: all node executions, the computing ones, the shape
 computations (Shape, Size, Range, ConstantOfShape: each reads a size on the host), the
-control-flow nodes (If, Loop, Scan: each reads a condition on the host) and the most frequent
-op types. The CPU pressure (``/proc/pressure/cpu``) is printed before and after: a count does
+control-flow nodes (If, Loop, Scan: each reads a condition on the host), the Casts onnxruntime
+inserted itself around half-precision nodes its CPU provider has no kernel for (MatMul, Gemm,
+Transpose in float16: they exist on the CPU only, and keep those nodes from its fusions) and
+the most frequent op types. The CPU pressure (``/proc/pressure/cpu``) is printed before and after: a count does
 not depend on it, the profile's times would.
 """
 
@@ -70,8 +72,9 @@ def model(name: str, layers: int) -> tuple[bytes, dict]:
 
 
 def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = "adamw",
-               threads: int = 1, steps: int = 3) -> collections.Counter:
-    """{op type: executions} of the last of ``steps`` steps (the earlier ones warm up)."""
+               threads: int = 1, steps: int = 3) -> tuple[collections.Counter, int]:
+    """({op type: executions} of the last of ``steps`` steps (the earlier ones warm up), how many
+    of them are Casts onnxruntime inserted around half-precision nodes the CPU has no kernel for)."""
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.intra_op_num_threads = threads
@@ -88,15 +91,16 @@ def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = 
         events = json.load(f)
     last = [e for e in events if e.get("name") == "model_run"][-1]
     start, end = last["ts"], last["ts"] + last["dur"]
-    return collections.Counter(e["args"]["op_name"] for e in events
-                               if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
-                               and start <= e["ts"] <= end)
+    nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
+             and start <= e["ts"] <= end]
+    inserted = sum(e["name"].startswith("InsertedPrecisionFreeCast") for e in nodes)
+    return collections.Counter(e["args"]["op_name"] for e in nodes), inserted
 
 
-def summary(counts: collections.Counter) -> dict:
+def summary(counts: collections.Counter, inserted: int) -> dict:
     return {"all": sum(counts.values()), "computing": sum(v for k, v in counts.items() if k not in VIEWS),
             "shape computations": sum(counts[k] for k in SHAPES), "control flow": sum(counts[k] for k in CONTROL),
-            "by op type": dict(counts.most_common())}
+            "casts onnxruntime inserted": inserted, "by op type": dict(counts.most_common())}
 
 
 def main() -> None:
@@ -112,11 +116,12 @@ def main() -> None:
     for name in args.models:
         onnx_bytes, batch = model(name, args.layers)
         for precision in args.precision:
-            figures = summary(count_step(onnx_bytes, batch, precision, args.optimizer))
+            figures = summary(*count_step(onnx_bytes, batch, precision, args.optimizer))
             out[f"{name} {precision}"] = figures
             top = ", ".join(f"{k} {v}" for k, v in list(figures["by op type"].items())[:10])
             print(f"{name:<12} {precision:<8} all {figures['all']:>5}  computing {figures['computing']:>5}  "
-                  f"shape computations {figures['shape computations']}  control flow {figures['control flow']}  ({top})")
+                  f"shape computations {figures['shape computations']}  control flow {figures['control flow']}  "
+                  f"casts onnxruntime inserted {figures['casts onnxruntime inserted']}  ({top})")
     print(f"  {benchlib.reading()}")
     if args.json:
         with open(args.json, "w") as f:

@@ -134,6 +134,7 @@ def _differentiated(model, wrt: list[str], outputs, stop_gradients: list[str]):
     graph.outputs.clear()
     graph.outputs.extend(model_outputs + named)
     pipeline.run(pipeline.FINISH, m, ctx)
+    forward_ids |= {id(n) for n in ctx.forward}  # what the passes added to the forward
 
     # The boundary: what backward nodes read from the forward side. Constants and views
     # (Reshape, Squeeze, ...) are copied into the backward rather than saved: saving a view

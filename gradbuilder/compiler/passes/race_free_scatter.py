@@ -22,7 +22,11 @@ ScatterElements; a wider one is a segment sum, written without a concurrent read
 When data is zeros (every gradient's case) no zeros of data's size are made: onnxruntime
 would fold them into a constant held for the session's life, and the ScatterND would copy
 them. The rows are gathered instead from the sums behind one zero row, each row reading its
-place among the sums (0: none): the gradient is written once. A scalar multiple of those rows
+place among the sums (0: none): the gradient is written once. Its tensors' sizes are those of
+the table and of the updates, never the number of distinct rows (``_segment_sum_into_zeros``:
+each row's count of updates by an integer scatter-add, exact in any order, and its run in the
+sorted updates from their cumulative sum), so that nothing in the step waits for a size read
+back from the device. A scalar multiple of those rows
 (SGD's ``lr * g``) is gathered from the scaled sums, ``Gather(T, p) * s = Gather(T * s, p)``
 exactly: the update then reads no weight-sized product of the gradient, and the gradient's
 memory is free once the finiteness check has read it.
@@ -77,8 +81,10 @@ def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
         else:
             view = _RowView(e, node)
             if _reduction(node) == "add" and (deterministic or view.width is None or view.width > NARROW):
-                out = view.restore(_segment_sum(e, view.data, view.rows, view.updates,
-                                                view.count if _is_zeros(data) else None))
+                if _is_zeros(data):
+                    out = view.restore(_segment_sum_into_zeros(e, view))
+                else:
+                    out = view.restore(_segment_sum(e, view.data, view.rows, view.updates))
             else:
                 out = view.restore(e.ScatterElements(view.data, e.Expand(e.Reshape(view.rows, [-1, 1]), view.one_rest),
                                                      view.updates, axis=0, reduction=_reduction(node)))
@@ -126,6 +132,9 @@ class _RowView:
         self.rows = e.Reshape(e.GatherND(numbered, idx), [-1])
         self.data = e.Reshape(data, rows_rest)
         self.updates = e.Reshape(upd, per_update)
+        # M, the number of updates, as a 1-element int64 tensor: a constant where idx's dims are known
+        known = idims is not None and all(isinstance(d, int) for d in idims[:-1])
+        self.updates_count = e.ints([int(np.prod(idims[:-1], dtype=np.int64))]) if known else e.Shape(self.rows)
 
     def restore(self, flat: ir.Value) -> ir.Value:
         return self.e.Reshape(flat, self.shape)
@@ -147,9 +156,35 @@ def _is_zeros(value: ir.Value) -> bool:
     return False
 
 
-def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value, zero_rows=None) -> ir.Value:
-    """data [R, rest] with updates [M, rest] added at rows [M] (ints in [0, R)), by sorting.
-    ``zero_rows``: data is zeros, and this is R (a 1-element int64 tensor)."""
+def _segment_sum_into_zeros(e: Emitter, view: "_RowView") -> ir.Value:
+    """Zeros [R, rest] with updates [M, rest] added at rows [M] (ints in [0, R)), by sorting,
+    in tensors whose sizes depend on R and M only (no size is read from the data: the step
+    stays free of host syncs where R and M are known):
+
+        order = argsort(rows);  s = cumsum(float64(updates[order]))     [M, rest]
+        count = per row, how many updates it gets     (an integer scatter-add: exact in any order)
+        end = cumsum(count);  start = end - count      (its run in the sorted updates)
+        run = s - [0; s][start[sorted rows]]           (each position: its run's sum so far)
+        out = [0; run][end where count > 0, else 0]    (each row: its run's sum, or the zero row)
+    """
+    rows, updates, m, r = view.rows, view.updates, view.updates_count, view.count
+    zero_int, one_int = e.const(np.array(0, np.int64)), e.const(np.array(1, np.int64))
+    sorted_rows, order = e.op("TopK", rows, m, outputs=2, largest=0, sorted=1)
+    sums = e.CumSum(e.Cast(e.Gather(updates, order, axis=0), to=int(ir.DataType.DOUBLE)), e.const(np.array(0, np.int64)))
+    zero_row = (e.const(np.zeros((1, view.width), np.float64)) if view.width is not None else
+                e.Expand(e.const(np.zeros((1, 1), np.float64)), e.Shape(e.Slice(updates, e.ints([0]), e.ints([1])))))
+    padded = e.Concat(zero_row, sums, axis=0)
+    count = e.ScatterElements(e.Expand(zero_int, r), rows, e.Expand(one_int, m), axis=0, reduction="add")
+    end = e.CumSum(count, e.const(np.array(0, np.int64)))
+    start = e.Sub(end, count)
+    run = e.Sub(sums, e.Gather(padded, e.Gather(start, sorted_rows, axis=0), axis=0))
+    place = e.Where(e.Greater(count, zero_int), end, zero_int)
+    table = e.Concat(zero_row, run, axis=0)
+    return e.Gather(e.CastLike(table, view.data), place, axis=0)
+
+
+def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value) -> ir.Value:
+    """data [R, rest] with updates [M, rest] added at rows [M] (ints in [0, R)), by sorting."""
     sorted_rows, order = e.op("TopK", rows, e.Shape(rows), outputs=2, largest=0, sorted=1)
     wide = e.Cast(e.Gather(updates, order, axis=0), to=int(ir.DataType.DOUBLE))
     sums = e.CumSum(wide, e.const(np.array(0, np.int64)))
@@ -159,11 +194,6 @@ def _segment_sum(e: Emitter, data: ir.Value, rows: ir.Value, updates: ir.Value, 
                        e.Gather(sums, ends, axis=0), axis=0)
     segment = e.Sub(e.Slice(at_ends, e.ints([1]), e.ints([_INT64_MAX])), e.Slice(at_ends, e.ints([0]), e.ints([-1])))
     targets = e.Gather(sorted_rows, ends, axis=0)
-    if zero_rows is not None:
-        place = e.ScatterElements(e.Expand(e.const(np.array(0, np.int64)), zero_rows), targets,
-                                  e.Range(e.const(1), e.Add(e.Size(targets), e.const(1)), e.const(1)), axis=0)
-        table = e.Concat(e.Slice(at_ends, e.ints([0]), e.ints([1])), segment, axis=0)  # a zero row, the sums
-        return e.Gather(e.CastLike(table, data), place, axis=0)
     total = e.Add(e.Cast(e.Gather(data, targets, axis=0), to=int(ir.DataType.DOUBLE)), segment)
     return e.ScatterND(data, e.Reshape(targets, [-1, 1]), e.CastLike(total, data))
 

@@ -19,13 +19,15 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ..emitter import Emitter
 from ..values import attr
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 
 
 def class_losses_as_standard_ops(model: ir.Model, ctx) -> None:
-    graph, e = model.graph, ctx.emitter
+    graph = model.graph
+    e = Emitter(graph, ctx.opset, ctx.emitter.used_names)  # fresh: its constants are forward nodes too
     changed = False
     for node in list(graph):
         if node.op_type not in _LOSSES or node.domain not in ("", "ai.onnx"):
@@ -35,6 +37,7 @@ def class_losses_as_standard_ops(model: ir.Model, ctx) -> None:
         weight = node.inputs[2] if len(node.inputs) > 2 else None
         if x.dtype is None:
             continue  # its type decides the constants' types: left to the node itself
+        first = len(e.nodes)
         lp = e.LogSoftmax(x, axis=1) if node.op_type == "SoftmaxCrossEntropyLoss" else x
         ignore = attr(node, "ignore_index", None)
         valid = None
@@ -58,18 +61,20 @@ def class_losses_as_standard_ops(model: ir.Model, ctx) -> None:
         else:
             new = e.Div(e.reduce("ReduceSum", each, None, keepdims=False),
                         e.reduce("ReduceSum", scale, None, keepdims=False))
-        _take_place(graph, loss, new)
-        if node.op_type == "SoftmaxCrossEntropyLoss" and len(node.outputs) > 1 and node.outputs[1] is not None:
-            _take_place(graph, node.outputs[1], lp)
-        graph.remove(node, safe=True)
+        if len(node.outputs) > 1:  # SoftmaxCrossEntropyLoss's log_prob: the LogSoftmax's output
+            log_prob = node.outputs[1]
+            name = log_prob.name
+            log_prob.name = ctx.unique(f"{name}_replaced")
+            lp.name, lp.dtype, lp.shape = name, log_prob.dtype, log_prob.shape
+            log_prob.replace_all_uses_with(lp, replace_graph_outputs=True)
+            node.resize_outputs(1)
+        # The loss value keeps its identity (the builder and the split hold it): the node that
+        # computed it passes the new value on, and onnxruntime drops the Identity
+        node.replace_input_with(0, new)
+        node.resize_inputs(1)
+        node.attributes.clear()
+        node.op_type = "Identity"
+        ctx.forward.extend(e.nodes[first:])  # forward nodes, as the loss was (pipeline stages, recompute)
         changed = True
     if changed:
         graph.sort()  # the new nodes before the loss's readers
-
-
-def _take_place(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
-    """``new`` in every use of ``old``, with its name, type and shape (a graph output's too)."""
-    name = old.name
-    old.name = None
-    new.name, new.dtype, new.shape = name, old.dtype, old.shape
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
