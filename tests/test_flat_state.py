@@ -41,20 +41,15 @@ def batches(n: int, width: int = 8, seed: int = 1):
     return [{"x": rng.standard_normal((4, width)).astype(np.float32), "y": rng.integers(0, 3, 4)} for _ in range(n)]
 
 
-def session(model, threads: int = 1, per_tensor: bool = False, monkeypatch=None, **options) -> TrainingSession:
-    """A session on ``model``; ``per_tensor``: with no groups (every weight a tensor of its own,
-    as before the flat state)."""
+def session(model, threads: int = 1, per_tensor: bool = False, **options) -> TrainingSession:
+    """A session on ``model`` with the flat state (on the CPU it is asked for: "auto" picks a
+    tensor per weight there), or with ``per_tensor`` a tensor per weight."""
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name=options.pop("optimizer", "adamw"),
-                                enable_grad_norm_clip=False, **options)
+                                enable_grad_norm_clip=False,
+                                optimizer_state_layout="per_tensor" if per_tensor else "flat", **options)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    if per_tensor:
-        monkeypatch.setattr(flat, "layout", lambda *args, **kwargs: [])
-    try:
-        return TrainingSession(model, params, sess_options=so, providers=CPU)
-    finally:
-        if per_tensor:
-            monkeypatch.undo()
+    return TrainingSession(model, params, sess_options=so, providers=CPU)
 
 
 def step_graph(s: TrainingSession) -> onnx.ModelProto:
@@ -125,11 +120,11 @@ def _train(s: TrainingSession, feeds_list, nonfinite_at=None, load_at=None) -> l
     {"optimizer": "adagrad"},
     {"optimizer": "adamw", "use_fp16_moments": True},
 ])
-def test_flat_steps_are_bit_identical_to_a_tensor_per_weight(monkeypatch, threads, options):
+def test_flat_steps_are_bit_identical_to_a_tensor_per_weight(threads, options):
     """The same model trained with groups and with a tensor per weight: the same losses, weights
     and optimizer states to the bit, across a skipped non-finite step and a load_state."""
     model, data = mlp(3), batches(10)
-    sessions = [session(model, threads, per_tensor=p, monkeypatch=monkeypatch, **dict(options)) for p in (False, True)]
+    sessions = [session(model, threads, per_tensor=p, **dict(options)) for p in (False, True)]
     with pytest.warns(RuntimeWarning, match="inf or NaN"):
         got = [_train(s, data, nonfinite_at=3, load_at=6) for s in sessions]
     assert np.array_equal(got[0], got[1], equal_nan=True) and np.isnan(got[0][3])
@@ -147,8 +142,8 @@ def assert_same_state(a: TrainingSession, b: TrainingSession) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 16])
-def test_the_state_by_name_is_the_groups_buffer(monkeypatch, threads):
-    flat_s, tensor_s = (session(mlp(3), threads, per_tensor=p, monkeypatch=monkeypatch) for p in (False, True))
+def test_the_state_by_name_is_the_groups_buffer(threads):
+    flat_s, tensor_s = (session(mlp(3), threads, per_tensor=p) for p in (False, True))
     for feeds in batches(4):
         for s in (flat_s, tensor_s):
             s.run(["loss"], feeds)
@@ -165,17 +160,17 @@ def test_the_state_by_name_is_the_groups_buffer(monkeypatch, threads):
     assert np.array_equal(flat_s.get_state()["model"]["full_precision"]["b1"], np.arange(8))
 
 
-def test_checkpoints_move_between_flat_and_per_tensor_sessions(monkeypatch, tmp_path):
+def test_checkpoints_move_between_flat_and_per_tensor_sessions(tmp_path):
     """A checkpoint holds weights and states by name whatever the layout: one written by a
     session with a tensor per weight (as every earlier release) resumes in a flat one, and the
     other way round, continuing exactly as the session that wrote it."""
     model, data = mlp(3), batches(8)
     for writer_flat in (False, True):
-        writer = session(model, per_tensor=not writer_flat, monkeypatch=monkeypatch)
+        writer = session(model, per_tensor=not writer_flat)
         _train(writer, data[:4])
         path = tmp_path / f"ck{writer_flat}.safetensors"
         writer.save_checkpoint(path)
-        reader = session(model, per_tensor=writer_flat, monkeypatch=monkeypatch)
+        reader = session(model, per_tensor=writer_flat)
         reader.load_checkpoint(path)
         assert [float(x) for x in _train(reader, data[4:])] == [float(x) for x in _train(writer, data[4:])]
 
@@ -189,7 +184,7 @@ def test_a_weight_over_the_largest_stays_apart(monkeypatch):
     assert {m.name for g in s._builder.flat_layout for m in g.members} == {"b0", "b1", "Wo"}
     ops = collections.Counter(n.op_type for n in step_graph(s).graph.node)
     assert ops["If"] == 1
-    reference = session(model, per_tensor=True, monkeypatch=monkeypatch)
+    reference = session(model, per_tensor=True)
     assert [float(x) for x in _train(s, data)] == [float(x) for x in _train(reference, data)]
 
 
@@ -213,3 +208,15 @@ def test_a_view_shares_the_buffers_memory_and_keeps_it_alive():
         v.update_inplace(np.full((2, 3), 7, dtype))
         v.numpy()[0, 0] = 5  # on the CPU numpy() is the memory itself
         assert v.numpy().tolist() == [[5, 7, 7], [7, 7, 7]]
+
+
+def test_the_layout_follows_the_device_unless_asked():
+    """"auto" (the default) is a tensor per weight on the CPU, whose caches hold one weight's
+    update and not the whole model's (PyTorch's optimizers too use their foreach kernels on
+    CUDA only); "flat" and "per_tensor" are what they say; anything else is refused."""
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw")
+    assert params.optimizer_state_layout == "auto"
+    assert TrainingSession(mlp(2), params, providers=CPU)._state.flat == {}
+    assert session(mlp(2))._state.flat and not session(mlp(2), per_tensor=True)._state.flat
+    with pytest.raises(Exception, match="optimizer_state_layout: must be 'auto'"):
+        TrainingParameters(optimizer_state_layout="fused")

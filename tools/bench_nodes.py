@@ -1,5 +1,6 @@
 """Node executions per training step: what onnxruntime runs for one steady
-``TrainingSession.run()``, counted with its profiler (``SessionOptions.enable_profiling``: the
+``TrainingSession.run()`` of the step a GPU session runs (``optimizer_state_layout="flat"``,
+run here on the CPU), counted with its profiler (``SessionOptions.enable_profiling``: the
 events of category ``Node`` whose name ends in ``_kernel_time``, inside the last
 ``model_run``).
 
@@ -20,6 +21,7 @@ Models:
     python tools/bench_nodes.py                                   # encoder, float32 and float16
     python tools/bench_nodes.py --models encoder mlp transformer cnn --precision float32
     python tools/bench_nodes.py --layers 12 --json nodes.json
+    python tools/bench_nodes.py --layout per_tensor                # the CPU's layout ("auto" there)
 
 Printed per model and precision: all node executions, the computing ones, the shape
 computations (Shape, Size, Range, ConstantOfShape: each reads a size on the host), the
@@ -71,7 +73,7 @@ def model(name: str, layers: int) -> tuple[bytes, dict]:
     return export_onnx(module.train(), batch, "training"), batch
 
 
-def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = "adamw",
+def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = "adamw", layout: str = "flat",
                threads: int = 1, steps: int = 3) -> tuple[collections.Counter, int]:
     """({op type: executions} of the last of ``steps`` steps (the earlier ones warm up), how many
     of them are Casts onnxruntime inserted around half-precision nodes the CPU has no kernel for)."""
@@ -82,7 +84,7 @@ def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = 
     folder = tempfile.mkdtemp()
     so.profile_file_prefix = os.path.join(folder, "step")
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name=optimizer,
-                                use_mixed_precision=precision != "float32",
+                                use_mixed_precision=precision != "float32", optimizer_state_layout=layout,
                                 mixed_precision_dtype=precision if precision != "float32" else "float16")
     session = TrainingSession(onnx_bytes, params, sess_options=so, providers=["CPUExecutionProvider"])
     for _ in range(steps):
@@ -109,14 +111,17 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=["float32", "float16"], choices=["float32", "float16"])
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--layers", type=int, default=6, help="the encoder's layers")
+    ap.add_argument("--layout", default="flat", choices=["flat", "per_tensor"],
+                    help="TrainingParameters.optimizer_state_layout: flat (default) is the step a GPU session runs")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args()
-    print(f"onnxruntime {ort.__version__}, torch {torch.__version__}; {benchlib.reading()}")
+    print(f"onnxruntime {ort.__version__}, torch {torch.__version__}, {args.optimizer}, optimizer_state_layout "
+          f"{args.layout}; {benchlib.reading()}")
     out = {}
     for name in args.models:
         onnx_bytes, batch = model(name, args.layers)
         for precision in args.precision:
-            figures = summary(*count_step(onnx_bytes, batch, precision, args.optimizer))
+            figures = summary(*count_step(onnx_bytes, batch, precision, args.optimizer, args.layout))
             out[f"{name} {precision}"] = figures
             top = ", ".join(f"{k} {v}" for k, v in list(figures["by op type"].items())[:10])
             print(f"{name:<12} {precision:<8} all {figures['all']:>5}  computing {figures['computing']:>5}  "

@@ -81,9 +81,13 @@ class TrainingSession:
         device = _providers.device_of(names, options)
         check_precision(params, device)
         # One flat buffer per dtype and options for the weights and each of their states, the
-        # step updating each in a few nodes (training.stages.flat); a distributed step keeps
-        # a tensor per weight (its buckets, shards and stages are by weight).
-        groups = flat.layout(self._facts.specs, self._builder.options_of, self._builder.optimizer) if topo is None else []
+        # step updating each in a few nodes (training.stages.flat), where the parameters or the
+        # device ask for it (optimizer_state_layout); a distributed step keeps a tensor per
+        # weight (its buckets, shards and stages are by weight).
+        layout = params.optimizer_state_layout
+        grouped = layout == "flat" or (layout == "auto" and device[0] != "cpu")
+        groups = (flat.layout(self._facts.specs, self._builder.options_of, self._builder.optimizer)
+                  if topo is None and grouped else [])
         self._builder.flat_layout = groups
         suffixes = ["", GRAD_ACCUM] + [f".{s}" for w in self.weights for s in self._builder.state_names_of(w)]
         self._state = StateStore(initial, device, groups, dict.fromkeys(suffixes))

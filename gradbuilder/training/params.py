@@ -11,7 +11,7 @@ type is not trained) and ``set_optimizer_initial_state`` (read back as
 and value rather than by name, its overlap with ``weights_to_train`` can only be found against a
 model and is not checked here.
 
-Six options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
+Seven options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
 the default, or "bfloat16") picks the half type of ``use_mixed_precision``; ``memory_budget_mb``
 and ``memory_budget_fraction`` (of the activations the backward would hold) ask the recompute
 planner to fit the activations in a budget (0: none); ``on_nonfinite_step`` says what a
@@ -21,7 +21,13 @@ leaves the state as it was): "skip" (default) warns and counts it, "raise" raise
 the same inputs and thread count on CUDA too (see ``compiler/passes/race_free_scatter.py``; on
 the CPU the graphs are deterministic already) and sets onnxruntime's
 ``use_deterministic_compute``; ``allow_tf32`` lets onnxruntime's CUDA provider compute float32
-matrix products in TF32 (off by default: float32 is float32, as in PyTorch).
+matrix products in TF32 (off by default: float32 is float32, as in PyTorch);
+``optimizer_state_layout`` says how a session's step holds the weights and their optimizer
+state (``training.stages.flat``): "flat" (one buffer per dtype and options, the update a few
+nodes over each: what a GPU wants, whose step is bound by its kernel launches), "per_tensor"
+(a tensor per weight: what a CPU wants, whose caches hold one weight's update but not the
+whole model's), or "auto" (the default: flat on a GPU, per tensor on the CPU, as PyTorch's
+optimizers pick their multi-tensor ``foreach`` kernels on CUDA only).
 
 Unlike ORT, every assignment is checked: types (a bool is not an int and an int is not a bool),
 ranges, contradictions, and options whose pass gradbuilder does not have yet (see
@@ -78,7 +84,7 @@ _ALSO_OFF: dict[str, tuple] = {}
 # gradbuilder's own options beyond onnxruntime-training's: the half-precision type of mixed
 # precision, and the activation-memory budget of the recompute planner (0: no budget).
 EXTENSIONS = ("mixed_precision_dtype", "memory_budget_mb", "memory_budget_fraction", "on_nonfinite_step",
-              "deterministic_compute", "allow_tf32")
+              "deterministic_compute", "allow_tf32", "optimizer_state_layout")
 
 # option -> (kind, ORT 1.19 default). Kinds are checked by _check below.
 OPTIONS = {
@@ -108,6 +114,7 @@ OPTIONS = {
     "on_nonfinite_step": ("str", "skip"),
     "optimizer_attributes_map": ("float_maps", {}),
     "optimizer_int_attributes_map": ("int_maps", {}),
+    "optimizer_state_layout": ("str", "auto"),
     "pipeline_cut_info_string": ("str", ""),
     "pipeline_parallel_size": ("count", 1),
     "propagate_cast_ops_allow": ("str_list", []),
@@ -302,6 +309,9 @@ class TrainingParameters:
             raise _fail(name, f"must be a finite number >= 0 (0 means dynamic loss scaling), got {v}")
         if name == "mixed_precision_dtype" and v not in ("float16", "bfloat16"):
             raise _fail(name, f"must be 'float16' or 'bfloat16', got {v!r}")
+        if name == "optimizer_state_layout" and v not in ("auto", "flat", "per_tensor"):
+            raise _fail(name, f"must be 'auto' (flat on a GPU, a tensor per weight on the CPU), 'flat' or "
+                              f"'per_tensor', got {v!r}")
         if name == "on_nonfinite_step" and v not in ("skip", "raise"):
             raise _fail(name, f"must be 'skip' (skip the update with a warning and count it) or 'raise', got {v!r}")
         if name == "memory_budget_mb" and not (math.isfinite(v) and v >= 0):
