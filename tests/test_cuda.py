@@ -104,3 +104,25 @@ def test_deterministic_compute_gives_the_same_bits_every_run():
     assert states[0][0] == states[1][0]
     for name, value in states[0][1].items():
         assert np.array_equal(value, states[1][1][name]), name
+
+
+def test_the_flat_state_trains_as_a_tensor_per_weight_on_the_device():
+    """On a GPU, "auto" is the flat state: each weight a view of a buffer in device memory
+    (runtime.views), trained bit for bit as a tensor per weight, and read back by name. Without
+    a GPU the same comparison runs on the CPU, where the flat state is asked for."""
+    providers = [CUDA, CPU] if GPU else [CPU]
+    flat, flat_losses, _ = _train(providers, optimizer_state_layout="auto" if GPU else "flat")
+    per_tensor, losses, _ = _train(providers, optimizer_state_layout="per_tensor")
+    assert sorted(flat._state.flat) == ["Weights.float32", "Weights.float32.exp_avg", "Weights.float32.exp_avg_sq"]
+    assert not per_tensor._state.flat
+    if GPU:
+        assert flat._state["W"].device_name().lower() == "cuda"
+        assert flat._state.flat["Weights.float32"].device_name().lower() == "cuda"
+    assert flat_losses == losses
+    a, b = flat.get_state(), per_tensor.get_state()
+    for w in ("W", "B"):
+        assert np.array_equal(a["model"]["full_precision"][w], b["model"]["full_precision"][w])
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert np.array_equal(a["optimizer"][w][s], b["optimizer"][w][s])
+    flat.load_state({"W": np.full((3, 2), 0.25, np.float32)})
+    assert np.array_equal(flat.get_state()["model"]["full_precision"]["W"], np.full((3, 2), 0.25, np.float32))

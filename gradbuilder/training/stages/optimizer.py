@@ -180,7 +180,7 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
             likes = likes_of(branched)
             outs = e.if_(apply, lambda u: update(u, branched), lambda u: likes, likes, name="optimizer_update")
             news.update(zip([id(v) for v in likes], outs))
-        count = e.Add(step, e.Cast(apply, to=int(ir.DataType.INT64)))
+        count = e.Where(apply, t, step)  # after every read of Step (t's): updated in place
     likes = likes_of(everything)
     outputs = [named_output(e, news[id(like)], updated(like.name), like) for like in likes]
     outputs.append(named_output(e, count, updated(step.name), step))
