@@ -107,7 +107,8 @@ def _scatter(rows):
                      helper.make_node("ScatterND", ["data", "ids", "updates"], ["y"], reduction="add")],
                     {"updates": [n, width]}, ["y"],
                     {"ids": ids, "zero": np.array(0, np.float32), "shape": np.array([rows, width], np.int64)})
-        model = ir.from_proto(onnx.load_from_string(nd))
+        # with its shapes, as in a built graph (the pass sizes its tensors from them)
+        model = ir.from_proto(onnx.shape_inference.infer_shapes(onnx.load_from_string(nd), data_prop=True))
         scatter_reductions_race_free(model, pipeline.Context.of(model))
         sorted_sum = ir.to_proto(model).SerializeToString()
         feeds = {"updates": rng.standard_normal((n, width)).astype(np.float32)}

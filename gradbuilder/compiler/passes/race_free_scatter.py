@@ -164,6 +164,10 @@ def _segment_sum_into_zeros(e: Emitter, view: "_RowView") -> ir.Value:
         order = argsort(rows);  s = cumsum(float64(updates[order]))     [M, rest]
         count = per row, how many updates it gets     (an integer scatter-add: exact in any order)
         end = cumsum(count);  start = end - count      (its run in the sorted updates)
+
+    then, with fewer rows than updates, each row at once: out = [0; s][end] - [0; s][start] (0
+    where a row has none); else in the updates' size, each row gathered from its run's sum:
+
         run = s - [0; s][start[sorted rows]]           (each position: its run's sum so far)
         out = [0; run][end where count > 0, else 0]    (each row: its run's sum, or the zero row)
     """
@@ -177,6 +181,9 @@ def _segment_sum_into_zeros(e: Emitter, view: "_RowView") -> ir.Value:
     count = e.ScatterElements(e.Expand(zero_int, r), rows, e.Expand(one_int, m), axis=0, reduction="add")
     end = e.CumSum(count, e.const(np.array(0, np.int64)))
     start = e.Sub(end, count)
+    sizes = [constant_of(v) for v in (r, m)]
+    if all(v is not None for v in sizes) and int(sizes[0].reshape(-1)[0]) <= int(sizes[1].reshape(-1)[0]):
+        return e.CastLike(e.Sub(e.Gather(padded, end, axis=0), e.Gather(padded, start, axis=0)), view.data)
     run = e.Sub(sums, e.Gather(padded, e.Gather(start, sorted_rows, axis=0), axis=0))
     place = e.Where(e.Greater(count, zero_int), end, zero_int)
     table = e.Concat(zero_row, run, axis=0)
