@@ -220,3 +220,22 @@ def test_the_layout_follows_the_device_unless_asked():
     assert session(mlp(2))._state.flat and not session(mlp(2), per_tensor=True)._state.flat
     with pytest.raises(Exception, match="optimizer_state_layout: must be 'auto'"):
         TrainingParameters(optimizer_state_layout="fused")
+
+
+def test_mixed_precision_reads_one_half_copy_of_each_group():
+    """float16: the forward reads the weights from one Cast of the group's buffer (no Cast per
+    weight), the half gradients are joined in half and cast once, and training follows float32
+    training to float16's rounding (a static loss scale: no step skipped). (A tensor per weight
+    is no reference here: onnxruntime's CPU provider, which has no float16 MatMul, drops each
+    weight's Cast pair around it and computes those products in float32.)"""
+    model, data = mlp(3), batches(8)
+    half = session(model, use_mixed_precision=True, loss_scale=128.0)
+    step = step_graph(half)
+    casts = [n for n in step.graph.node if n.op_type == "Cast"]
+    weights = {m.name for g in half._builder.flat_layout for m in g.members}
+    assert sum(n.input[0] == "Weights.float32" for n in casts) == 1
+    assert not any(n.input[0] in weights for n in casts)
+    got = _train(half, data)
+    want = _train(session(model), data)
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+    assert half.step == len(data) and half.skipped_steps == 0
