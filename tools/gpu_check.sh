@@ -6,7 +6,8 @@
 # Prints what the machine has (nvidia-smi, torch, onnxruntime's usable providers), runs the
 # CUDA tests (tests/test_cuda.py: TrainingSession, float16 and bfloat16 mixed precision,
 # ORTModule with CUDA tensors) and, where a GPU is usable, the benchmarks with --device cuda
-# (bench_train: TrainingSession against PyTorch; bench_ortmodule: ORTModule against PyTorch;
+# (bench_gpu: a d768 encoder's step against PyTorch eager and torch.compile in float32 with and
+# without TF32, float16 and bfloat16, time and device memory; bench_train: TrainingSession against PyTorch; bench_ortmodule: ORTModule against PyTorch;
 # bench_memory measures peak resident memory and has no CUDA mode; bench_distributed with NCCL
 # where there are two GPUs or more). Everything goes to the
 # screen and to REPORT. On a machine without a GPU it checks only that the CUDA paths say so
@@ -41,6 +42,9 @@ $py -m pytest -p no:cacheprovider -q -rA tests/test_cuda.py || status=1
 
 echo
 if [ "$gpu" = "1" ]; then
+    echo "## bench_gpu: the d768 encoder, TrainingSession against PyTorch eager and torch.compile"
+    $py tools/bench_gpu.py --json gpu_bench.json || status=1
+    echo
     echo "## bench_train --device cuda"
     $py tools/bench_train.py --device cuda || status=1
     echo
