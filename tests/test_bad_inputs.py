@@ -399,10 +399,11 @@ def test_nonfinite_step_warning_points_at_the_caller():
     assert record[0].filename == __file__
 
 
-def test_provider_fallback_warning_points_at_the_caller(monkeypatch):
+@pytest.mark.parametrize("layout", ["per_tensor", "flat"])
+def test_provider_fallback_warning_points_at_the_caller(monkeypatch, layout):
     from gradbuilder.runtime.runner import StepBinding
 
-    s = TrainingSession(linear(), params(), providers=CPU)
+    s = TrainingSession(linear(), params(optimizer_state_layout=layout), providers=CPU)
     real = StepBinding.run
     calls = []
 
@@ -418,6 +419,16 @@ def test_provider_fallback_warning_points_at_the_caller(monkeypatch):
     with pytest.warns(RuntimeWarning, match="falling back to CPUExecutionProvider") as record:
         s.run(["loss"], feeds())
     assert record[0].filename == __file__
+    # the step the fallback ran is the state's, whatever its layout (a flat state's weights are
+    # views of the buffers the fallback's run wrote), and the next step starts from it
+    reference = TrainingSession(linear(), params(optimizer_state_layout="per_tensor"), providers=CPU)
+    for _ in range(2):
+        reference.run(["loss"], feeds())
+    s.run(["loss"], feeds())
+    assert s.step == reference.step == 2
+    got, want = s.get_state()["model"]["full_precision"], reference.get_state()["model"]["full_precision"]
+    for w in ("W", "B"):
+        np.testing.assert_array_equal(got[w], want[w])
 
 
 def test_ortmodule_info_log_level_keeps_onnxruntime_at_warning(capfd):
