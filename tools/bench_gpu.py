@@ -34,11 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
-from bench_train import nvidia_smi_mib  # noqa: E402
-from benchmodels import EncoderClassifier, LR, WithLoss, export_onnx, median_ms, ort_inputs, ort_providers, \
-    rss_mib, run_interleaved, session_options, timed_steps, torch_inputs  # noqa: E402
-
-from gradbuilder import TrainingParameters, TrainingSession  # noqa: E402
+from bench_train import SessionTrainer, TorchTrainer, nvidia_smi_mib  # noqa: E402
+from benchmodels import EncoderClassifier, WithLoss, export_onnx, median_ms, ort_inputs, rss_mib, \
+    run_interleaved, timed_steps, torch_inputs  # noqa: E402
 
 PRECISIONS = ("float32", "float32-tf32", "float16", "bfloat16")
 HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,15 +57,14 @@ def set_tf32(on: bool) -> None:
     torch.backends.cudnn.allow_tf32 = on
 
 
-class Torch:
+class Torch(TorchTrainer):
     """PyTorch: zero_grad, forward under autocast (half precisions), backward (scaled for
     float16), AdamW step; ``compiled``: the module through torch.compile."""
 
     def __init__(self, module, inputs, precision: str, compiled: bool):
-        self.model = module.to(inputs["x"].device).train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        super().__init__(module, inputs)
         self.run = torch.compile(self.model) if compiled else self.model
-        self.x, self.y, self.dtype = inputs["x"], inputs["y"], HALF.get(precision)
+        self.dtype = HALF.get(precision)
         self.scaler = torch.amp.GradScaler(self.x.device.type) if precision == "float16" else None
 
     def step(self):
@@ -84,35 +81,13 @@ class Torch:
             self.opt.step()
         return loss.detach()
 
-    @staticmethod
-    def loss(value) -> float:
-        return float(value)
-
-
-class Session:
-    def __init__(self, onnx_bytes, inputs, precision: str, device: str, threads: int):
-        half = precision in HALF
-        params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
-                                    enable_grad_norm_clip=False, use_mixed_precision=half,
-                                    mixed_precision_dtype=precision if half else "float16",
-                                    allow_tf32=precision == "float32-tf32")
-        self.sess = TrainingSession(onnx_bytes, params, sess_options=session_options(threads),
-                                    providers=ort_providers(device))
-        self.sess.set_learning_rate(LR)
-        self.feeds = inputs
-
-    def step(self):
-        (loss,) = self.sess.run_with_ort_values(["loss"], self.feeds)
-        return loss
-
-    @staticmethod
-    def loss(value) -> float:
-        return float(value.numpy())
-
 
 def contender(name: str, module, onnx_bytes, batch, precision: str, args):
     if name == "trainingsession":
-        return Session(onnx_bytes, ort_inputs(batch, args.device), precision, args.device, args.threads)
+        half = precision in HALF
+        return SessionTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device,
+                              use_mixed_precision=half, mixed_precision_dtype=precision if half else "float16",
+                              allow_tf32=precision == "float32-tf32")
     return Torch(copy.deepcopy(module), torch_inputs(batch, args.device), precision, name == "torch.compile")
 
 

@@ -159,9 +159,10 @@ class TorchTrainer:
 
 
 def make_training_session(onnx_model, threads: int, device: str, profile: bool = False,
-                          deterministic: bool = False) -> TrainingSession:
+                          deterministic: bool = False, **options) -> TrainingSession:
+    """AdamW without clipping; ``options``: more TrainingParameters (mixed precision, TF32)."""
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
-                                enable_grad_norm_clip=False, deterministic_compute=deterministic)
+                                enable_grad_norm_clip=False, deterministic_compute=deterministic, **options)
     sess = TrainingSession(onnx_model, params, sess_options=session_options(threads, profile),
                            providers=ort_providers(device))
     sess.set_learning_rate(LR)
@@ -172,8 +173,8 @@ class SessionTrainer:
     """gradbuilder's TrainingSession: one run_with_ort_values per step."""
 
     def __init__(self, onnx_model, feeds: dict[str, ort.OrtValue], threads: int, device: str,
-                 profile: bool = False, deterministic: bool = False):
-        self.sess = make_training_session(onnx_model, threads, device, profile, deterministic)
+                 profile: bool = False, deterministic: bool = False, **options):
+        self.sess = make_training_session(onnx_model, threads, device, profile, deterministic, **options)
         self.feeds = feeds
 
     def step(self):

@@ -32,7 +32,6 @@ def class_losses_as_standard_ops(model: ir.Model, ctx) -> None:
     for node in list(graph):
         if node.op_type not in _LOSSES or node.domain not in ("", "ai.onnx"):
             continue
-        loss = node.outputs[0]
         x, target = node.inputs[0], node.inputs[1]
         weight = node.inputs[2] if len(node.inputs) > 2 else None
         if x.dtype is None:

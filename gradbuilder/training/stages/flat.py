@@ -71,7 +71,7 @@ LARGEST = 1 << 24
 
 def layout(specs: Mapping[str, np.ndarray], options_of: Callable[[str], dict], optimizer: str) -> list[Group]:
     """The groups of the weights ``specs`` (name -> an array of its dtype and shape), in their
-    order: one per dtype and set of options (``options_of(weight)``). None for LAMB, whose
+    order: one per dtype and set of options (``options_of(weight)``); none for LAMB, whose
     trust ratio is per weight; weights with no element or more than LARGEST stay apart."""
     if optimizer == "lamb":
         return []
@@ -90,11 +90,6 @@ def layout(specs: Mapping[str, np.ndarray], options_of: Callable[[str], dict], o
     return groups
 
 
-def members_of(groups: list[Group]) -> dict[str, tuple[Group, Member]]:
-    """weight -> (its group, its place there)."""
-    return {m.name: (g, m) for g in groups for m in g.members}
-
-
 # ----------------------------------------------------------------------------- the graph
 def flatten(e, groups: list[Group], weights: list, grads: dict, low=None) -> tuple[list, dict, list]:
     """Rewrite a differentiated graph so that the members of ``groups`` are read from their
@@ -102,8 +97,6 @@ def flatten(e, groups: list[Group], weights: list, grads: dict, low=None) -> tup
     input, in place of its members, then the other weights; their gradients by name; the
     buffers, to add to the graph's inputs). ``low``: the half type of mixed precision, or
     None. The members stop being graph inputs."""
-    import onnx_ir as ir
-
     from ...compiler.passes import new_input
 
     by_name = {w.name: w for w in weights}
