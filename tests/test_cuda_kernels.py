@@ -113,3 +113,20 @@ def test_class_losses_as_standard_ops_compute_what_the_loss_kernels_do(op, reduc
     got = ort.InferenceSession(rewritten.SerializeToString(), providers=CPU).run(None, feeds)
     for a, b in zip(want, got):
         assert a.shape == b.shape and np.allclose(a, b, rtol=1e-6, atol=1e-7), (a, b)
+
+
+def test_the_eval_graph_writes_its_loss_in_standard_ops_too():
+    """eval_step's graph (the inference form) has no class-loss node either, and gives the loss
+    onnxruntime's own kernel gives on the original model."""
+    from gradbuilder import TrainingParameters, TrainingSession
+
+    model = encoder_export()
+    session = TrainingSession(model, TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw"),
+                              providers=CPU)
+    graph = onnx.ModelProto.FromString(session._graphs.serialized("eval"))
+    assert "SoftmaxCrossEntropyLoss" not in {n.op_type for n in graph.graph.node}
+    assert nodes_without_cuda_kernel(graph) == []
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 50, (2, 6)), rng.integers(0, 5, 2)
+    want = ort.InferenceSession(model, providers=CPU).run(["loss"], {"x": x, "y": y})[0]
+    np.testing.assert_allclose(session.eval_step(x, y), want, rtol=1e-6)

@@ -251,9 +251,11 @@ class StepGradientsBuilder(GradientGraphBuilder):
 
 def eval_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """The evaluation graph of a forward model: its inference form (``passes.running_stats``)
-    with no vector product left to onnxruntime's fused transposed kernel."""
+    with no vector product left to onnxruntime's fused transposed kernel, and its class losses
+    in operators every provider has a kernel for (``passes.standard_losses``)."""
     from ..compiler.passes.context import Context
     from ..compiler.passes.running_stats import inference_form
+    from ..compiler.passes.standard_losses import class_losses_as_standard_ops
     from ..compiler.passes.vector_products import vector_products_without_transpose
 
     model = inference_form(model)
@@ -262,7 +264,9 @@ def eval_model(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception:  # noqa: BLE001
         pass
     ir_model = modelio.to_ir(model)
-    vector_products_without_transpose(ir_model, Context.of(ir_model))
+    ctx = Context.of(ir_model)
+    vector_products_without_transpose(ir_model, ctx)
+    class_losses_as_standard_ops(ir_model, ctx)
     return ir.to_proto(ir_model)
 
 
