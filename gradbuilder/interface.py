@@ -12,8 +12,8 @@ ACCUMULATION_STEP = "Accumulation_Step"  # int64 scalar: micro-steps into the cu
 LOSS_SCALE = "Loss_Scale"  # float scalar: the dynamic loss scale
 LOSS_SCALE_GOOD_STEPS = "Loss_Scale_Good_Steps"  # int64 scalar: finite steps since the scale last changed
 ALL_FINITE = "All_Finite"  # bool output: this run's loss and gradients are finite (else it changed nothing)
-GRADIENT_SQUARES = "Gradient_Squares"
-FLAT_WEIGHTS = "Weights"  # prefix of a flat state's group buffers: Weights.float32 (training.stages.flat)  # float scalar input: the squared global gradient norm, summed across processes
+GRADIENT_SQUARES = "Gradient_Squares"  # float scalar input: the squared global gradient norm, summed across processes
+FLAT_WEIGHTS = "Weights"  # prefix of a flat state's group buffers: Weights.float32 (training.stages.flat)
 
 UPDATED = ".updated"  # suffix of the output that carries a state input to the next run
 GRAD_ACCUM = ".grad_accum"  # suffix of a weight's gradient accumulation buffer

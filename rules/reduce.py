@@ -1,10 +1,9 @@
 """The Reduce family. Each gradient is ``dy`` restored to the input's rank, broadcast back,
 times the local derivative of the reduction."""
 
-import numpy as np
-
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of
+from gradbuilder.rules.norm_stats import count_over
 
 
 def reduce_axes(n):
@@ -71,12 +70,11 @@ def _d_mean(n, e, x, dy, y, noop):
     """d mean(x) = dy / count (a constant where the sizes are known)"""
     if noop:
         return dy
-    xs, ys = dims_of(x), dims_of(n.outputs[0])
-    if xs is not None and ys is not None and all(isinstance(d, int) for d in [*xs, *ys]):
-        count = e.scalar(float(np.prod(xs, dtype=np.int64) // max(1, np.prod(ys, dtype=np.int64))), x)
-    else:
-        count = e.CastLike(e.Div(e.Size(x), e.Size(n.outputs[0])), x)
-    return e.Div(dy, count)
+    axes, _, _ = reduce_axes(n)
+    dims = dims_of(x)
+    if axes is None and dims is not None:
+        axes = list(range(len(dims)))
+    return e.Div(dy, count_over(e, x, axes, n.outputs[0]))
 
 
 def _d_extreme(n, e, x, dy, y, noop):

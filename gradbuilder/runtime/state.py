@@ -42,6 +42,8 @@ class StateStore:
                     self._members[group.name + suffix] = [(n, m.offset, m.shape) for n, m in zip(names, group.members)]
                     self.flat[group.name + suffix] = self.ortvalue(np.concatenate(
                         [np.asarray(values.pop(n)).reshape(-1) for n in names]))
+        # the names held in a group's buffer
+        self.packed = frozenset(n for members in self._members.values() for n, _, _ in members)
         self.values: dict[str, ort.OrtValue] = {n: self.ortvalue(v) for n, v in values.items()}
         for name in self.flat:
             self._make_views(name)
@@ -53,11 +55,6 @@ class StateStore:
 
         for name, offset, shape in self._members[buffer]:
             self.values[name] = view(self.flat[buffer], offset, shape)
-
-    @property
-    def packed(self) -> frozenset[str]:
-        """The names held in a group's buffer."""
-        return frozenset(n for members in self._members.values() for n, _, _ in members)
 
     def bound(self) -> dict[str, ort.OrtValue]:
         """Every value a graph may take: by name, and the group buffers."""
@@ -93,7 +90,6 @@ class StateStore:
         """Take every ``X.updated`` output of a successful run as the new ``X`` (a group buffer
         updated elsewhere than in its own memory: its members are views of the new one; a
         member updated elsewhere than in its view: copied into it)."""
-        packed = self.packed
         for name, value in results.items():
             target = state_input(name)
             if target is None:
@@ -102,7 +98,7 @@ class StateStore:
                 if value.data_ptr() != self.flat[target].data_ptr():
                     self.flat[target] = value
                     self._make_views(target)
-            elif target in packed:
+            elif target in self.packed:
                 if value.data_ptr() != self.values[target].data_ptr():
                     self.values[target].update_inplace(np.ascontiguousarray(value.numpy()))
             else:
@@ -133,9 +129,8 @@ class StateStore:
         """Replace values (already checked) with copies on the device; with ``owned``, C-order
         arrays that nothing else refers to (``checkpoint.load``'s) are taken as they are (on the
         CPU the state then lies in their memory)."""
-        packed = self.packed
         for name, value in values.items():
-            if name in packed:  # into its group's buffer
+            if name in self.packed:  # into its group's buffer
                 self.values[name].update_inplace(np.ascontiguousarray(value))
             else:
                 self.values[name] = self.ortvalue(value if owned else np.array(value, copy=True))
@@ -151,8 +146,7 @@ class StateStore:
             return
         self.device = device
         self._scalar = None
-        packed = self.packed
-        self.values = {n: self.ortvalue(v.numpy()) for n, v in self.values.items() if n not in packed}
+        self.values = {n: self.ortvalue(v.numpy()) for n, v in self.values.items() if n not in self.packed}
         self.flat = {n: self.ortvalue(v.numpy()) for n, v in self.flat.items()}
         for name in self.flat:
             self._make_views(name)

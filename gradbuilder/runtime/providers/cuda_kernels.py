@@ -103,7 +103,6 @@ def _missing(node: onnx.NodeProto, opsets: dict, types: dict) -> str | None:
         return f"domain {domain}, version {version}: the CUDA kernels cover versions {have}"
     _, _, constraints = ranges[0]
     inputs = entry["inputs"]
-    given = []
     for k, name in enumerate(node.input):
         if not name or not inputs:
             continue
@@ -112,7 +111,6 @@ def _missing(node: onnx.NodeProto, opsets: dict, types: dict) -> str | None:
         if actual is None:
             continue
         actual = _element(actual)
-        given.append(actual)
         allowed = constraints.get(param)
         if allowed is None and param.startswith("tensor("):
             allowed = [param[len("tensor("):-1]]
