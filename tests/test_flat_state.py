@@ -239,3 +239,57 @@ def test_mixed_precision_reads_one_half_copy_of_each_group():
     want = _train(session(model), data)
     np.testing.assert_allclose(got, want, rtol=2e-3)
     assert half.step == len(data) and half.skipped_steps == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_a_flat_session_trains_as_pytorch_does(tmp_path, threads):
+    """The whole workflow against PyTorch with the flat state: a torch MLP exported, ten AdamW
+    steps (losses and weights), then the exported inference model against the module."""
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    data = batches(10)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(WithLoss(), (torch.from_numpy(data[0]["x"]), torch.from_numpy(data[0]["y"])), f,
+                          input_names=["x", "y"], output_names=["loss"], dynamo=False, opset_version=17,
+                          keep_initializers_as_inputs=True)
+    model = onnx.load_from_string(f.getvalue())
+    inits = {t.name for t in model.graph.initializer}
+    kept = [i for i in model.graph.input if i.name not in inits]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    s = session(model, threads)
+    assert s._state.flat
+    reference = WithLoss()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    s.set_learning_rate(1e-3)
+    for feeds in data:
+        loss = float(s.run(["loss"], feeds)[0])
+        opt.zero_grad()
+        want = reference(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"]))
+        want.backward()
+        opt.step()
+        assert abs(loss - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    got = s.get_state()["model"]["full_precision"]
+    for name, p in reference.named_parameters():
+        np.testing.assert_allclose(got[name], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+    path = s.export_model_for_inferencing(tmp_path / "inference.onnx", ["loss"])
+    feeds = batches(1, seed=9)[0]
+    exported = ort.InferenceSession(str(path), providers=CPU).run(None, feeds)[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(exported, float(reference(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"]))),
+                                   rtol=1e-5)
