@@ -246,9 +246,6 @@ def test_a_flat_session_trains_as_pytorch_does(tmp_path, threads):
     """The whole workflow against PyTorch with the flat state: a torch MLP exported, ten AdamW
     steps (losses and weights), then the exported inference model against the module."""
     torch = pytest.importorskip("torch")
-    import io
-    import warnings
-
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 
@@ -260,19 +257,10 @@ def test_a_flat_session_trains_as_pytorch_does(tmp_path, threads):
         def forward(self, x, y):
             return torch.nn.functional.cross_entropy(self.net(x), y)
 
+    from .test_cuts import export
+
     data = batches(10)
-    f = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(WithLoss(), (torch.from_numpy(data[0]["x"]), torch.from_numpy(data[0]["y"])), f,
-                          input_names=["x", "y"], output_names=["loss"], dynamo=False, opset_version=17,
-                          keep_initializers_as_inputs=True)
-    model = onnx.load_from_string(f.getvalue())
-    inits = {t.name for t in model.graph.initializer}
-    kept = [i for i in model.graph.input if i.name not in inits]
-    del model.graph.input[:]
-    model.graph.input.extend(kept)
-    s = session(model, threads)
+    s = session(export(WithLoss(), data[0]), threads)
     assert s._state.flat
     reference = WithLoss()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
