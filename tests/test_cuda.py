@@ -126,3 +126,33 @@ def test_the_flat_state_trains_as_a_tensor_per_weight_on_the_device():
             assert np.array_equal(a["optimizer"][w][s], b["optimizer"][w][s])
     flat.load_state({"W": np.full((3, 2), 0.25, np.float32)})
     assert np.array_equal(flat.get_state()["model"]["full_precision"]["W"], np.full((3, 2), 0.25, np.float32))
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_captured_steps_train_as_uncaptured_ones(precision):
+    """enable_cuda_graph: on a GPU the step replays one captured CUDA graph per turn of its
+    state, and gives the uncaptured session's losses, weights, optimizer states and running
+    statistics (test_capture.py's model: BatchNorm's statistics take turns, the rest is updated
+    in place), with the loss left on the device until it is read. Elsewhere it is refused."""
+    from .test_capture import _batches as capture_batches
+    from .test_capture import _model as capture_model
+
+    options = dict(use_mixed_precision=precision == "float16")
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", enable_cuda_graph=True,
+                                **options)
+    if not GPU:
+        with pytest.raises(InvalidArgumentError, match="needs CUDAExecutionProvider"):
+            TrainingSession(capture_model(), params, providers=[CUDA])
+        return
+    captured = TrainingSession(capture_model(), params, providers=[CUDA])
+    plain = TrainingSession(capture_model(), TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
+                                                                **options), providers=[CUDA])
+    for step, batch in enumerate(capture_batches(8) * 2, 1):
+        expected = float(plain.run(["loss"], batch)[0])
+        (loss,) = captured.run_with_ort_values(["loss"], batch)
+        assert loss.device_name().lower() == "cuda"
+        np.testing.assert_allclose(float(loss.numpy()), expected, rtol=1e-6, err_msg=f"step {step}")
+    assert captured.step == plain.step == 16
+    for name in plain._state:
+        np.testing.assert_allclose(captured._state.array(name), plain._state.array(name), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)

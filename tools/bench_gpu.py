@@ -14,8 +14,9 @@ are printed with each one's ratio to PyTorch eager. Device memory: a child proce
 contender trains the same steps and reports what ``nvidia-smi`` says the process holds after
 them, less what it held once CUDA was initialised (both sides measured the same way; PyTorch's
 ``max_memory_allocated`` beside it); on the CPU, VmHWM over the baseline. The session runs with
-``optimizer_state_layout`` "auto" (the flat state on a GPU). The GPU's name and the CPU
-pressure are printed with the figures.
+``optimizer_state_layout`` "auto" (the flat state on a GPU), and on a GPU a second time with
+``enable_cuda_graph`` ("trainingsession captured": the step replayed as one CUDA graph). The
+GPU's name and the CPU pressure are printed with the figures.
 """
 
 from __future__ import annotations
@@ -83,16 +84,17 @@ class Torch(TorchTrainer):
 
 
 def contender(name: str, module, onnx_bytes, batch, precision: str, args):
-    if name == "trainingsession":
+    if name.startswith("trainingsession"):
         half = precision in HALF
         return SessionTrainer(onnx_bytes, ort_inputs(batch, args.device), args.threads, args.device,
                               use_mixed_precision=half, mixed_precision_dtype=precision if half else "float16",
-                              allow_tf32=precision == "float32-tf32")
+                              allow_tf32=precision == "float32-tf32", enable_cuda_graph=name.endswith("captured"))
     return Torch(copy.deepcopy(module), torch_inputs(batch, args.device), precision, name == "torch.compile")
 
 
 def names(args) -> list[str]:
-    return ["pytorch", "trainingsession"] + ([] if args.no_compile else ["torch.compile"])
+    captured = [] if args.device == "cpu" else ["trainingsession captured"]  # enable_cuda_graph: a GPU only
+    return ["pytorch", "trainingsession", *captured] + ([] if args.no_compile else ["torch.compile"])
 
 
 # ---------------------------------------------------------------------------- memory (child)
@@ -112,7 +114,7 @@ def child_main(args) -> None:
     if args.device == "cuda":
         end = nvidia_smi_mib(os.getpid())
         out = {"mib": None if base is None or end is None else end - base}
-        if args.child != "trainingsession":
+        if not args.child.startswith("trainingsession"):
             out["torch_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     else:
         out = {"mib": rss_mib("VmHWM") - base}

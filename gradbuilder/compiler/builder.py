@@ -97,6 +97,9 @@ class GradientGraphBuilder:
         self.buffers: list[str] = []
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
+        # Sizes for the graph inputs' unknown dims ({input: shape}): a graph built for those
+        # shapes only, every shape computation folded away.
+        self.input_shapes: dict[str, list[int]] = {}
         self._result: modelio.DetachedModel | None = None
 
     # ----------------------------------------------------------------------------- build
@@ -107,6 +110,8 @@ class GradientGraphBuilder:
     def _build(self) -> "GradientGraphBuilder":
         t0 = time.perf_counter()
         proto, weights_bytes = modelio.load_detached(self._source, self.base_dir, self.weights)
+        if self.input_shapes:
+            modelio.fix_input_shapes(proto.graph, self.input_shapes)
         if not self.weights:
             raise InvalidArgumentError(f"weights is empty: {nothing_to_train(proto.graph)}")
         if self.warn_about_model:

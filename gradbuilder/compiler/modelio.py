@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -202,6 +203,21 @@ def weights_as_inputs(proto: onnx.ModelProto, weights) -> None:
         del proto.graph.input[:]
         proto.graph.input.extend(inputs)
         proto.ir_version = max(proto.ir_version, 4)  # IR 3 required initializers to be inputs
+
+
+def fix_input_shapes(graph: onnx.GraphProto, shapes: Mapping[str, Sequence[int]]) -> None:
+    """Give the graph inputs named in ``shapes`` those sizes (a size the input declares is kept:
+    a feed that disagrees is refused when it is fed), and forget the symbolic sizes recorded
+    for other values, for shape inference to make them static."""
+    for value in graph.input:
+        if value.name in shapes and len(value.type.tensor_type.shape.dim) == len(shapes[value.name]):
+            for dim, size in zip(value.type.tensor_type.shape.dim, shapes[value.name]):
+                if not dim.HasField("dim_value"):
+                    dim.dim_value = int(size)
+    symbolic = [v for v in graph.value_info if any(d.HasField("dim_param") or not d.HasField("dim_value")
+                                                    for d in v.type.tensor_type.shape.dim)]
+    for v in symbolic:
+        graph.value_info.remove(v)
 
 
 def default_opset(proto: onnx.ModelProto, missing: int | None = None) -> int:

@@ -250,9 +250,19 @@ class LocalExecutor(Executor):
 
 def resolve_providers(providers, provider_options, allow_tf32: bool = False):
     """``providers.resolve_providers``, its warnings (a provider not usable here) pointing at
-    the user's call."""
+    the user's call. The CUDA provider's own ``enable_cuda_graph`` is refused: it would capture
+    the step with its state bound for one turn only; ``TrainingParameters.enable_cuda_graph``
+    binds it for capture."""
     with compat.warnings_at_caller():
-        return _providers.resolve_providers(providers, provider_options, allow_tf32)
+        names, options = _providers.resolve_providers(providers, provider_options, allow_tf32)
+    for name, opts in zip(names, options):
+        if name == _providers.CUDA and str(opts.get(_providers.CUDA_GRAPH, "0")).lower() in ("1", "true"):
+            raise InvalidArgumentError(
+                f"provider option {_providers.CUDA_GRAPH} of {name}: set TrainingParameters.{_providers.CUDA_GRAPH}=True "
+                "instead; a "
+                "captured training step needs its state and inputs bound at fixed addresses, which the session "
+                "then does")
+    return names, options
 
 
 def check_precision(params, device) -> None:

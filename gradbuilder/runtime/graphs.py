@@ -70,6 +70,8 @@ class GraphCache:
         self._compiled: dict[Kind, CompiledGraph] = {}  # kind -> its compiled graph
         self._in_place: dict[Kind, frozenset[str]] = {}  # kind -> its state updated in place
         self._owned: list[str] | None = None  # the weights the optimizer graph updates; None: all
+        self.captured = False  # the step is compiled for CUDA-graph capture (runtime.capture)
+        self.step_shapes: dict[str, list[int]] = {}  # the step is built for these input shapes only
 
     @property
     def providers(self) -> Sequence[str]:
@@ -96,14 +98,19 @@ class GraphCache:
                 # The step-wise API's graphs take turns: a pool still spinning after its run slows
                 # the other graph's (README, Speed and memory).
                 options = taking_turns(options)
-            self._compiled[kind] = self.compile(self.serialized(kind), options, disabled)
+            provider_options = None
+            if self.captured and kind is Kind.STEP:
+                provider_options = _providers.with_cuda_graph(self._providers, self._provider_options)
+            self._compiled[kind] = self.compile(self.serialized(kind), options, disabled, provider_options)
         return self._compiled[kind]
 
-    def compile(self, model: bytes, sess_options=None, disabled_optimizers: Sequence[str] = ()) -> CompiledGraph:
+    def compile(self, model: bytes, sess_options=None, disabled_optimizers: Sequence[str] = (),
+                provider_options: Sequence[dict] | None = None) -> CompiledGraph:
         """``model`` (serialized) compiled for the current providers, with the session's
-        options (or ``sess_options``)."""
+        options (or ``sess_options``) and provider options (or ``provider_options``)."""
         options = self._sess_options if sess_options is None else sess_options
-        return compile_graph(model, options, self._providers, self._provider_options, self._device, disabled_optimizers)
+        provider_options = self._provider_options if provider_options is None else provider_options
+        return compile_graph(model, options, self._providers, provider_options, self._device, disabled_optimizers)
 
     def serialized(self, kind: str) -> bytes:
         """Graph ``kind`` as bytes, built on first use."""
@@ -119,7 +126,11 @@ class GraphCache:
     def _build(self, kind: Kind) -> bytes:
         b, facts = self._builder, self._facts
         if kind is Kind.STEP:
-            proto = b.build().model_proto
+            b.input_shapes = self.step_shapes
+            try:
+                proto = b.build().model_proto
+            finally:
+                b.input_shapes = {}
         elif kind in (Kind.GRADIENTS, Kind.ACCUMULATE):
             proto = StepGradientsBuilder(b, facts.outputs, accumulate=kind is Kind.ACCUMULATE).build().model_proto
         elif kind is Kind.OPTIMIZER:

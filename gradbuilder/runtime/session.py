@@ -44,7 +44,7 @@ from ..interface import ACCUMULATION_STEP, GRAD_ACCUM, GRADIENT, LOSS_SCALE, LOS
 from ..training.graph import from_parameters
 from ..training.stages import flat
 from ..training.stages.optimizer import jsonable
-from . import checkpoint, distributed, providers as _providers, schedulers
+from . import capture, checkpoint, distributed, providers as _providers, schedulers
 from .executor import Executor, LocalExecutor, Parts, check_precision, resolve_providers
 from .graphs import GraphCache, Kind
 from .model import ModelFacts, output_names, read_model
@@ -80,6 +80,8 @@ class TrainingSession:
             options = distributed.one_device_per_process(names, options)
         device = _providers.device_of(names, options)
         check_precision(params, device)
+        if params.enable_cuda_graph:
+            capture.check_capture(device, topo is not None)
         # One flat buffer per dtype and options for the weights and each of their states, the
         # step updating each in a few nodes (training.stages.flat), where the parameters or the
         # device ask for it (optimizer_state_layout); a distributed step keeps a tensor per
@@ -626,9 +628,9 @@ def _properties_json(properties) -> str:
 def executor_for(parts: Parts, topo) -> Executor:
     """The executor of a session: a LocalExecutor, or with ``topo`` (``distributed.topology``:
     one of several launched processes) a DataParallel or PipelineParallel over one."""
-    local = LocalExecutor(parts)
     if topo is None:
-        return local
+        return capture.CapturedExecutor(parts) if parts.params.enable_cuda_graph else LocalExecutor(parts)
+    local = LocalExecutor(parts)
     distributed.init_process_group(parts.state.device)
     if topo.stages == 1:
         from .distributed.data_parallel import DataParallel

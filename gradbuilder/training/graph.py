@@ -102,6 +102,9 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         # The groups of a flat state (stages.flat; a session's step), or none: a weight, its
         # gradient and its states each a tensor of their own, as the written graphs keep them.
         self.flat_layout: list = []
+        # Every weight's update applied or skipped by arithmetic, none in an If: a step with
+        # no control flow (captured as a CUDA graph), not only the flat groups'.
+        self.branch_free_update = False
 
     def build(self) -> "TrainingGraphBuilder":
         super().build()
@@ -158,7 +161,8 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         per_weight.update({g.name: self.options_of(g.members[0].name) for g in self.flat_layout})
         update = add_optimizer(e, weights, grads, self.optimizer, self.optimizer_options,
                                self.lr_name, self.step_name, apply, self.state_dtype, per_weight,
-                               gated=frozenset(g.name for g in self.flat_layout))
+                               gated=frozenset(w.name for w in weights) if self.branch_free_update
+                               else frozenset(g.name for g in self.flat_layout))
         flag = named_output(e, finite, ALL_FINITE, finite)
         return Appended(update.inputs + inputs, update.outputs + outputs + [flag], keep)
 

@@ -192,3 +192,12 @@ def device_of(providers, provider_options=None) -> tuple[str, int]:
         raise InvalidArgumentError(
             f"CUDAExecutionProvider option device_id must be an integer, got {raw!r}"
         ) from None
+
+
+# The CUDA provider's graph capture (TrainingParameters.enable_cuda_graph, runtime.capture).
+CUDA_GRAPH = "enable_cuda_graph"
+
+
+def with_cuda_graph(providers, provider_options) -> list[dict]:
+    """``provider_options`` (one dict per provider name) with the CUDA provider's graph capture on."""
+    return [{**o, CUDA_GRAPH: "1"} if n == CUDA else dict(o) for n, o in zip(providers, provider_options)]
