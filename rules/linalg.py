@@ -33,8 +33,12 @@ def _swap_last(e, v, rank):
 
 
 def _flat_shape(e, v):
-    """The shape [-1, last dim of v] (a constant when the last dim is static)."""
+    """The shape [-1, last dim of v] (a constant when the last dim is static; [rows, last dim]
+    when every dim is, the shape a bias's gradient reshapes the same value to: one Reshape for
+    both once onnxruntime merges equal nodes)."""
     d = dims_of(v)
+    if d and all(isinstance(k, int) for k in d):
+        return e.ints([int(np.prod(d[:-1], dtype=np.int64)), d[-1]])
     if d and isinstance(d[-1], int):
         return e.ints([-1, d[-1]])
     last = e.Slice(e.Shape(v), e.ints([-1]), e.ints([INT64_MAX]))

@@ -33,6 +33,7 @@ from .passes.canonicalize import (
     sequence_appends_as_scan_outputs,
     split_to_sequence_as_split,
 )
+from .passes.attention_layout import attention_heads_in_one_transpose
 from .passes.cleanup import remove_unused_nodes
 from .passes.context import Context, Pass, PassFunction, opset_of
 from .passes.expand_functions import expand_functions
@@ -60,6 +61,7 @@ PREPARE: tuple[PassFunction, ...] = (
     split_to_sequence_as_split,
     sequence_appends_as_scan_outputs,
     fold_shape_computations,
+    attention_heads_in_one_transpose,
     indexed_max_as_gather,
     bfloat16_indices_in_float32,
     restore_training_mode,
