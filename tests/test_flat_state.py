@@ -281,3 +281,30 @@ def test_a_flat_session_trains_as_pytorch_does(tmp_path, threads):
     with torch.no_grad():
         np.testing.assert_allclose(exported, float(reference(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["y"]))),
                                    rtol=1e-5)
+
+
+def test_mixed_precision_reads_a_torch_exports_transposed_weights_from_the_half_copy():
+    """A TorchScript export reads each Linear weight as Transpose(W) (W^T): under float16 the
+    step reads it as the Transpose of the weight's half view, not a Cast per weight, and still
+    trains as float32 does to float16's rounding."""
+    import torch
+
+    from .torch_models import TinyEncoder, export
+
+    tokens, labels = torch.randint(0, 20, (4, 6)), torch.randint(0, 5, (4,))
+    model = export(TinyEncoder(20).train(), (tokens, labels), ["x", "y"], dynamo=False, opset=17)
+    data = [{"x": tokens.numpy(), "y": labels.numpy()}] * 6
+    half = session(model, use_mixed_precision=True, loss_scale=128.0)
+    step = step_graph(half)
+    producer = {o: n for n in step.graph.node for o in n.output}
+    casts = [n for n in step.graph.node if n.op_type == "Cast"]
+    assert sum(n.input[0] == "Weights.float32" for n in casts) == 1
+
+    def of_float32_buffer(name: str, layout=("Split", "Reshape", "Transpose")) -> bool:
+        node = producer.get(name)
+        return node is not None and node.op_type in layout and (
+            node.input[0] == "Weights.float32" or of_float32_buffer(node.input[0]))
+
+    assert not [n.name for n in casts if of_float32_buffer(n.input[0])]  # no weight cast on its own
+    np.testing.assert_allclose(_train(half, data), _train(session(model), data), rtol=5e-3)
+    assert half.skipped_steps == 0

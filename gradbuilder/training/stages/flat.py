@@ -108,11 +108,14 @@ def flatten(e, groups: list[Group], weights: list, grads: dict, low=None) -> tup
         views = _views(e, buffer, group)
         half = None
         for member, w, view in zip(group.members, members, views):
-            casts = [node for node, _ in w.uses() if low is not None and _casts_to(node, low)]
-            if casts:
+            reads = _half_reads(w, low) if low is not None else []
+            if reads:
                 half = half or _views(e, e.Cast(buffer, to=int(low)), group)
-                for node in casts:
-                    node.outputs[0].replace_all_uses_with(half[group.members.index(member)])
+                for cast, transpose in reads:
+                    value = half[group.members.index(member)]
+                    if transpose is not None:  # the export's W^T read in half: the half view transposed
+                        value = e.Transpose(value, perm=list(transpose.attributes["perm"].value))
+                    cast.outputs[0].replace_all_uses_with(value)
             w.replace_all_uses_with(view)
             if w in graph.inputs:
                 graph.inputs.remove(w)
@@ -131,6 +134,21 @@ def _views(e, buffer, group: Group) -> list:
     """Each member of ``group`` read from ``buffer`` (its type): Split, then Reshape."""
     parts = e.split_into(buffer, len(group.members), 0, e.ints(group.sizes)) if len(group.members) > 1 else [buffer]
     return [p if len(m.shape) == 1 else e.Reshape(p, list(m.shape)) for p, m in zip(parts, group.members)]
+
+
+def _half_reads(w, low) -> list:
+    """(Cast to ``low``, None) for each Cast that reads ``w``, and (Cast, Transpose) for each
+    Cast that reads a Transpose of ``w`` (a torch export's ``W^T``) read by Casts only."""
+    reads = []
+    for node, _ in w.uses():
+        if _casts_to(node, low):
+            reads.append((node, None))
+        elif node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and "perm" in node.attributes:
+            out = node.outputs[0]
+            uses = [u for u, _ in out.uses()]
+            if uses and not out.is_graph_output() and all(_casts_to(u, low) for u in uses):
+                reads.extend((u, node) for u in uses)
+    return reads
 
 
 def _casts_to(node, low) -> bool:
