@@ -8,6 +8,8 @@ follows PyTorch's convention.
 
 import math
 
+import onnx_ir as ir
+
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, optional_input
 from gradbuilder.rules.helpers import keep, optional_output, wants
@@ -83,10 +85,12 @@ def gelu(n, dys, needs, e):
 def relu(n, dys, needs, e):
     """dx = dy where y > 0, else 0 (y = relu(x)): PyTorch's threshold_backward. It reads the
     output, which the next layer's weight gradient keeps anyway, so the input need not be
-    kept; a compare and a Where, two kernels."""
+    kept; a compare and a Where, two kernels. In bfloat16 (which CUDA's Greater does not take)
+    the mask is y cast to bool: y >= 0, so y != 0 is y > 0."""
     (y,) = n.outputs
     zero = e.scalar(0.0, y)
-    return (e.Where(e.Greater(y, zero), dys[0], zero),)
+    mask = e.Cast(y, to=int(ir.DataType.BOOL)) if y.dtype == ir.DataType.BFLOAT16 else e.Greater(y, zero)
+    return (e.Where(mask, dys[0], zero),)
 
 
 @register("LeakyRelu")

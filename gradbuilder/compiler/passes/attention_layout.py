@@ -197,6 +197,7 @@ def _output(graph: ir.Graph, transpose: ir.Node, unique) -> None:
 
 def _constant(unique, hint: str, array: np.ndarray) -> ir.Node:
     value = ir.Value(name=unique(hint), const_value=ir.tensor(array))
+    value.dtype, value.shape = ir.DataType.INT64, ir.Shape(array.shape)
     return ir.Node("", "Constant", [], [ir.AttrTensor("value", value.const_value)], outputs=[value],
                    name=unique(f"{hint}_node"))
 

@@ -19,6 +19,11 @@ Like ``torch.autocast``'s op lists, run on the private copy of the forward graph
   precision only when that removes more casts than it adds (counting the casts the region
   would need on its inputs and outputs and the Cast pairs that disappear), repeated until no
   region moves. Graph output dtypes never change.
+- From level 1 (the default), first, torch.autocast's rule for the ops outside its lists
+  (:data:`FOLLOW_OPS`: element-wise and layout ops): in graph order, one whose float inputs
+  are low-precision results, or parameters beside at least one (a value that depends on
+  weights and constants only and holds one row: a bias, a scale), runs low; one beside a
+  float32 activation stays float32 (torch's type promotion: a residual Add).
 - Always: ``Cast(Cast(x: low -> float32) -> low)`` is ``x`` (exact); the lossy
   ``Cast(Cast(x: float32 -> low) -> float32)`` is never removed.
 - Only main-graph nodes of the default domain change; If/Loop/Scan bodies and other domains
@@ -60,6 +65,10 @@ LEVEL_OPS = {
 # is its own type; LayerNormalization's Mean and InvStdDev stay float32). Other ops: every
 # float input and output.
 _DATA_INPUTS = {"Dropout": (0,), "Resize": (0,), "Upsample": (0,)}
+# Ops that torch.autocast runs in the type of their inputs (none of its float32 lists): fed by
+# low-precision results and parameters only, they stay low (``_Autocast.promote``).
+FOLLOW_OPS = frozenset({"Add", "Sub", "Mul", "Neg", "Relu", "Gelu", "Tanh", "Sigmoid", "Transpose", "Reshape",
+                        "Split", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Concat", "Slice", "Dropout"})
 _DATA_OUTPUTS = {"Dropout": (0,), "LayerNormalization": (0,)}
 
 
@@ -89,10 +98,27 @@ def autocast(model: ir.Model, ctx) -> None:
     for node in low_nodes:
         ac.convert(node)
     ac.drop_cast_pairs()
-    moved = ac.propagate(propagation_ops(level, allow))
+    followed = ac.promote(FOLLOW_OPS, _parameter_like(graph, ctx.wrt)) if level >= 1 else 0
+    moved = followed + ac.propagate(propagation_ops(level, allow))
     ac.sweep()
     casts = sum(1 for n in ac.created if n.graph is graph and _live(n))
     ctx.reports["mixed_precision"] = {"casts": casts, "low_nodes": len(low_nodes) + moved, "propagated": moved}
+
+
+def _parameter_like(graph: ir.Graph, wrt) -> "callable":
+    """Whether a value is a parameter as torch sees one beside an activation: it depends on
+    no input but weights and constants, and holds at most one row (a bias, a scale)."""
+    weights = {id(w) for w in wrt}
+    data = {id(v) for v in graph.inputs if id(v) not in weights and v.name not in graph.initializers}
+    for node in graph:
+        if any(v is not None and id(v) in data for v in node.inputs):
+            data.update(id(o) for o in node.outputs)
+
+    def like(v: ir.Value) -> bool:
+        dims = None if v.shape is None else list(v.shape.dims)
+        return id(v) not in data and dims is not None and all(isinstance(d, int) and d == 1 for d in dims[:-1])
+
+    return like
 
 
 def _is_cast(node: ir.Node | None, to: ir.DataType) -> bool:
@@ -245,6 +271,23 @@ class _Autocast:
         self.low_of = {v: c for v, c in self.low_of.items() if c.producer() is not None and c.graph is not None}
 
     # ------------------------------------------------------------------ propagation
+    def promote(self, ops: frozenset[str], parameter_like) -> int:
+        """torch.autocast's rule for the ops outside its lists, in graph order: an ``ops`` node
+        whose float inputs are low-precision results, or parameters (``parameter_like``: a
+        bias, a scale) beside at least one such result, runs low; an activation in float32
+        beside it keeps it in float32 (torch's type promotion)."""
+        moved = 0
+        for node in list(self.graph):
+            if node.op_type not in ops or not self.convertible(node) or not _live(node):
+                continue
+            data = self.data_inputs(node)
+            low = [i for i in data if self.from_low(node.inputs[i]) is not None]
+            if low and all(i in low or parameter_like(node.inputs[i]) for i in data):
+                self.convert(node)
+                moved += 1
+        self.drop_cast_pairs()
+        return moved
+
     def propagate(self, ops: frozenset[str]) -> int:
         """Move regions of ``ops`` nodes to low precision while that saves casts."""
         moved = 0
