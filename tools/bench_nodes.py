@@ -27,8 +27,9 @@ Printed per model and precision: all node executions, the computing ones, the sh
 computations (Shape, Size, Range, ConstantOfShape: each reads a size on the host), the
 control-flow nodes (If, Loop, Scan: each reads a condition on the host), the Casts onnxruntime
 inserted itself around half-precision nodes its CPU provider has no kernel for (MatMul, Gemm,
-Transpose in float16: they exist on the CPU only, and keep those nodes from its fusions) and
-the most frequent op types. The CPU pressure (``/proc/pressure/cpu``) is printed before and after: a count does
+Transpose, Add, Mul in float16: they exist on the CPU only, and keep those nodes from its
+fusions), the nodes and Casts of the step graph as it is handed to onnxruntime (before its
+optimizations: what a GPU session starts from) and the most frequent op types. The CPU pressure (``/proc/pressure/cpu``) is printed before and after: a count does
 not depend on it, the profile's times would.
 """
 
@@ -42,6 +43,7 @@ import sys
 import tempfile
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
@@ -74,9 +76,10 @@ def model(name: str, layers: int) -> tuple[bytes, dict]:
 
 
 def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = "adamw", layout: str = "flat",
-               threads: int = 1, steps: int = 3) -> tuple[collections.Counter, int]:
+               threads: int = 1, steps: int = 3) -> tuple[collections.Counter, int, collections.Counter]:
     """({op type: executions} of the last of ``steps`` steps (the earlier ones warm up), how many
-    of them are Casts onnxruntime inserted around half-precision nodes the CPU has no kernel for)."""
+    of them are Casts onnxruntime inserted around half-precision nodes the CPU has no kernel for,
+    {op type: nodes} of the step graph as it is handed to onnxruntime, before its optimizations)."""
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.intra_op_num_threads = threads
@@ -96,13 +99,16 @@ def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = 
     nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
              and start <= e["ts"] <= end]
     inserted = sum(e["name"].startswith("InsertedPrecisionFreeCast") for e in nodes)
-    return collections.Counter(e["args"]["op_name"] for e in nodes), inserted
+    built = onnx.ModelProto.FromString(session._graphs.serialized("step")).graph.node
+    handed = collections.Counter(n.op_type for n in built if n.op_type != "Constant")
+    return collections.Counter(e["args"]["op_name"] for e in nodes), inserted, handed
 
 
-def summary(counts: collections.Counter, inserted: int) -> dict:
+def summary(counts: collections.Counter, inserted: int, handed: collections.Counter) -> dict:
     return {"all": sum(counts.values()), "computing": sum(v for k, v in counts.items() if k not in VIEWS),
             "shape computations": sum(counts[k] for k in SHAPES), "control flow": sum(counts[k] for k in CONTROL),
-            "casts onnxruntime inserted": inserted, "by op type": dict(counts.most_common())}
+            "casts onnxruntime inserted": inserted, "graph nodes": sum(handed.values()), "graph casts": handed["Cast"],
+            "by op type": dict(counts.most_common())}
 
 
 def main() -> None:
@@ -126,7 +132,8 @@ def main() -> None:
             top = ", ".join(f"{k} {v}" for k, v in list(figures["by op type"].items())[:10])
             print(f"{name:<12} {precision:<8} all {figures['all']:>5}  computing {figures['computing']:>5}  "
                   f"shape computations {figures['shape computations']}  control flow {figures['control flow']}  "
-                  f"casts onnxruntime inserted {figures['casts onnxruntime inserted']}  ({top})")
+                  f"casts onnxruntime inserted {figures['casts onnxruntime inserted']}  graph handed to onnxruntime "
+                  f"{figures['graph nodes']} nodes, {figures['graph casts']} Casts  ({top})")
     print(f"  {benchlib.reading()}")
     if args.json:
         with open(args.json, "w") as f:
