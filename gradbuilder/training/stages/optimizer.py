@@ -145,8 +145,9 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
             # the same element-wise arithmetic in 13 ops instead of 13 per weight
             sizes = [int(np.prod([int(d) for d in olds[j][0].shape], dtype=np.int64)) for j in members]
 
-            def flat(values):
-                return u.Concat(*[u.Reshape(v, u.ints([-1])) for v in values], axis=0)
+            def flat(values):  # a vector is joined as it is: a Reshape costs a node on every device
+                return u.Concat(*[v if len(v.shape or ()) == 1 else u.Reshape(v, u.ints([-1])) for v in values],
+                                axis=0)
 
             new, new_values = OPTIMIZERS[name].step(
                 u, flat([olds[j][0] for j in members]), k.gradient(flat([grads[olds[j][0].name] for j in members])),
@@ -154,9 +155,9 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
                 {s: flat([u.CastLike(olds[j][1][s], w0) for j in members]) for s in olds[members[0]][1]}, own, k)
             parts = {key: u.split_into(v, len(members), 0, u.ints(sizes)) for key, v in [("w", new), *new_values.items()]}
             for i, j in enumerate(members):
-                shape = u.ints([int(d) for d in olds[j][0].shape])
-                done[j] = (u.Reshape(parts["w"][i], shape),
-                           {s: u.Reshape(parts[s][i], shape) for s in new_values})
+                dims = [int(d) for d in olds[j][0].shape]
+                back = (lambda v: v) if len(dims) == 1 else (lambda v, shape=u.ints(dims): u.Reshape(v, shape))
+                done[j] = (back(parts["w"][i]), {s: back(parts[s][i]) for s in new_values})
         return ([done[j][0] for j in chosen]
                 + [u.CastLike(done[j][1][s], olds[j][1][s]) for j in chosen for s in olds[j][1]])
 
