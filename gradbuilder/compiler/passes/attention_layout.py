@@ -11,16 +11,17 @@ nodes a layer where the arithmetic needs four.
 
 Rewritten here before differentiation, when every size is static:
 
-- the heads: ``Split(Transpose(Reshape(P, [S', B', 3H, d])), axis 1)``, which gives q, k and v
-  ``[B, H, S, d]`` at once (a Reshape, a Transpose and a Split); where the projection reads
-  ``x`` through the first Transpose and nothing else does, it reads ``x`` itself, and P is
-  ``[B, S, 3E]``;
+- the heads: ``Split(Transpose(Reshape(P, [S, B, 3H, d]), [1, 2, 0, 3]), axis 1)``, which gives
+  q, k and v ``[B, H, S, d]`` at once (a Reshape, a Transpose and a Split). The projection keeps
+  reading the transposed tokens: read from ``x`` itself, onnxruntime fuses two Transposes a
+  layer fewer into the attention's products, which costs more than the one it saves;
 - the output: ``Reshape(Transpose(O, [0, 2, 1, 3]), [B*S, E])`` into the output projection,
   whose rows are then in the tokens' order, and a Reshape to ``[B, S, E]`` after it.
 
 The values are the same (only where each number lies changes), so the gradients are too; the
 attention itself (scaling, masks, softmax, dropout) is not touched. A layer that differs from
-these shapes in any way is left as it is.
+these shapes in any way is left as it is; the exporter's shape reads, constant by now and
+dead, do not count as readers.
 """
 
 from __future__ import annotations
@@ -33,22 +34,38 @@ from ..values import attr, constant_of, dims_of
 
 def attention_heads_in_one_transpose(model: ir.Model, ctx) -> None:
     graph = model.graph
+    dead = _dead_nodes(graph)  # the exporter's shape reads, folded to constants, are dead by now
     for node in list(graph):
         if node.graph is None:  # removed by an earlier rewrite
             continue
         if _is(node, "Squeeze"):
-            _heads(graph, node, ctx.unique)
+            _heads(graph, node, ctx.unique, dead)
         elif _is(node, "Transpose") and attr(node, "perm") == [2, 0, 1, 3]:
-            _output(graph, node, ctx.unique)
+            _output(graph, node, ctx.unique, dead)
 
 
 def _is(node: ir.Node | None, op: str) -> bool:
     return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
 
 
-def _only_use(value: ir.Value, op: str) -> ir.Node | None:
-    """The one node that reads ``value``, if it is an ``op`` and ``value`` is not a graph output."""
-    uses = list(value.uses())
+def _dead_nodes(graph: ir.Graph) -> frozenset[int]:
+    """The ids of the nodes no graph output depends on (removed after differentiation)."""
+    live, stack = set(), [v.producer() for v in graph.outputs if v.producer() is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) not in live:
+            live.add(id(node))
+            stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    return frozenset(id(n) for n in graph if id(n) not in live)
+
+
+def _uses(value: ir.Value, dead: frozenset[int]) -> list:
+    return [u for u in value.uses() if id(u.node) not in dead]
+
+
+def _only_use(value: ir.Value, op: str, dead: frozenset[int]) -> ir.Node | None:
+    """The one live node that reads ``value``, if it is an ``op`` and ``value`` is not a graph output."""
+    uses = _uses(value, dead)
     if len(uses) != 1 or value.is_graph_output() or uses[0].idx != 0 or not _is(uses[0].node, op):
         return None
     return uses[0].node
@@ -67,7 +84,7 @@ def _static(value: ir.Value) -> list[int] | None:
     return list(dims) if dims is not None and all(isinstance(d, int) for d in dims) else None
 
 
-def _heads(graph: ir.Graph, squeeze: ir.Node, unique) -> None:
+def _heads(graph: ir.Graph, squeeze: ir.Node, unique, dead: frozenset[int]) -> None:
     """Squeeze(Transpose(Unsqueeze(Reshape(P, [S, B, 3, E]), 0), [3, 1, 2, 0, 4]), 3), read by
     three Gathers 0, 1, 2 each followed by Reshape [S, B*H, d], Transpose [1, 0, 2] and
     Reshape [B, H, S, d]."""
@@ -81,23 +98,23 @@ def _heads(graph: ir.Graph, squeeze: ir.Node, unique) -> None:
     dims = _static(p)
     if dims is None or len(dims) != 3 or _static(reshape.outputs[0]) != [dims[0], dims[1], 3, dims[2] // 3]:
         return
-    if any(_only_use(v, op) is None for v, op in ((reshape.outputs[0], "Unsqueeze"), (unsqueeze.outputs[0], "Transpose"),
+    if any(_only_use(v, op, dead) is None for v, op in ((reshape.outputs[0], "Unsqueeze"), (unsqueeze.outputs[0], "Transpose"),
                                                   (transpose.outputs[0], "Squeeze"))):
         return
     s, b, e = dims[0], dims[1], dims[2] // 3
     gathers = {}
-    for use in squeeze.outputs[0].uses():
+    for use in _uses(squeeze.outputs[0], dead):
         index = constant_of(use.node.inputs[1]) if _is(use.node, "Gather") and use.idx == 0 else None
         if index is None or index.shape != () or attr(use.node, "axis", 0) != 0:
             return
         gathers[int(index)] = use.node
-    if sorted(gathers) != [0, 1, 2] or len(list(squeeze.outputs[0].uses())) != 3:
+    if sorted(gathers) != [0, 1, 2] or len(_uses(squeeze.outputs[0], dead)) != 3:
         return
     chains, heads = [], None
     for i in range(3):
-        first = _only_use(gathers[i].outputs[0], "Reshape")
-        swap = _only_use(first.outputs[0], "Transpose") if first is not None else None
-        last = _only_use(swap.outputs[0], "Reshape") if swap is not None else None
+        first = _only_use(gathers[i].outputs[0], "Reshape", dead)
+        swap = _only_use(first.outputs[0], "Transpose", dead) if first is not None else None
+        last = _only_use(swap.outputs[0], "Reshape", dead) if swap is not None else None
         if last is None or attr(swap, "perm") != [1, 0, 2]:
             return
         mid, out = _static(first.outputs[0]), _static(last.outputs[0])
@@ -109,19 +126,11 @@ def _heads(graph: ir.Graph, squeeze: ir.Node, unique) -> None:
         heads = (h, d)
         chains.append((first, swap, last))
     h, d = heads
-    source, perm, order = p, [1, 2, 0, 3], (s, b)  # P [S, B, 3E] -> [B, 3H, S, d]
-    add = p.producer()
-    bypassed = _input_transpose(add) if _only_use(p, "Reshape") is reshape else None
-    if bypassed is not None:  # the projection reads x [B, S, E]: P becomes [B, S, 3E]
-        matmul, first_transpose, k = bypassed
-        matmul.replace_input_with(k, first_transpose.inputs[0])
-        for v in (matmul.outputs[0], add.outputs[0]):
-            v.shape = ir.Shape([b, s, 3 * e])
-        perm, order = [0, 2, 1, 3], (b, s)
+    order = (s, b)  # P [S, B, 3E] -> [S, B, 3H, d] -> [B, 3H, S, d]
     shape = _constant(unique, f"{p.name}_heads_shape", np.array([*order, 3 * h, d], np.int64))
     split_sizes = _constant(unique, f"{p.name}_heads_split", np.array([h, h, h], np.int64))
-    by_heads = _node(unique, "Reshape", [source, shape.outputs[0]], [*order, 3 * h, d], p.dtype)
-    moved = _node(unique, "Transpose", [by_heads.outputs[0]], [b, 3 * h, s, d], p.dtype, perm=perm)
+    by_heads = _node(unique, "Reshape", [p, shape.outputs[0]], [*order, 3 * h, d], p.dtype)
+    moved = _node(unique, "Transpose", [by_heads.outputs[0]], [b, 3 * h, s, d], p.dtype, perm=[1, 2, 0, 3])
     split = ir.Node("", "Split", [moved.outputs[0], split_sizes.outputs[0]], [ir.AttrInt64("axis", 1)],
                     num_outputs=3, name=unique(f"{p.name}_heads_split_node"))
     for i, out in enumerate(split.outputs):
@@ -129,55 +138,33 @@ def _heads(graph: ir.Graph, squeeze: ir.Node, unique) -> None:
     graph.insert_before(reshape, [shape, split_sizes, by_heads, moved, split])
     for out, (_, _, last) in zip(split.outputs, chains):
         last.outputs[0].replace_all_uses_with(out)
-    for first, swap, last in chains:
-        for n in (last, swap, first):
-            graph.remove(n, safe=True)
-    for n in (*gathers.values(), squeeze, transpose, unsqueeze, reshape):
-        graph.remove(n, safe=True)
-    if bypassed is not None and not list(bypassed[1].outputs[0].uses()):
-        graph.remove(bypassed[1], safe=True)
+    _drop(graph, [n for chain in chains for n in reversed(chain)]
+          + [*gathers.values(), squeeze, transpose, unsqueeze, reshape])
 
 
-def _input_transpose(add: ir.Node | None):
-    """(MatMul, Transpose [1, 0, 2], input index) where ``add`` is Add(MatMul(Transpose(x), W),
-    bias) with W 2-D and bias 1-D, each of MatMul and Transpose read once; else None."""
-    if not _is(add, "Add"):
-        return None
-    for j, v in enumerate(add.inputs):
-        matmul = v.producer()
-        other = add.inputs[1 - j]
-        if not _is(matmul, "MatMul") or _only_use(v, "Add") is not add or len(dims_of(other) or ()) != 1:
-            continue
-        first = matmul.inputs[0].producer()
-        if (_is(first, "Transpose") and attr(first, "perm") == [1, 0, 2] and len(dims_of(matmul.inputs[1]) or ()) == 2
-                and len(list(matmul.inputs[0].uses())) == 1 and not matmul.inputs[0].is_graph_output()):
-            return matmul, first, 0
-    return None
-
-
-def _output(graph: ir.Graph, transpose: ir.Node, unique) -> None:
+def _output(graph: ir.Graph, transpose: ir.Node, unique, dead: frozenset[int]) -> None:
     """Transpose(O [B, H, S, d], [2, 0, 1, 3]) -> Reshape [S*B, E] -> Gemm or MatMul (+ Add) ->
     Reshape [S, B, E] -> Transpose [1, 0, 2]."""
     o = transpose.inputs[0]
     dims = _static(o)
-    merge = _only_use(transpose.outputs[0], "Reshape")
+    merge = _only_use(transpose.outputs[0], "Reshape", dead)
     if dims is None or len(dims) != 4 or merge is None:
         return
     b, h, s, d = dims
     e = h * d
     if _static(merge.outputs[0]) != [s * b, e]:
         return
-    uses = list(merge.outputs[0].uses())
+    uses = _uses(merge.outputs[0], dead)
     project = uses[0].node if len(uses) == 1 and uses[0].idx == 0 and not merge.outputs[0].is_graph_output() else None
     if not (_is(project, "Gemm") and not attr(project, "transA", 0)) and not _is(project, "MatMul"):
         return
     last = project
     if _is(project, "MatMul"):
-        last = _only_use(project.outputs[0], "Add")
+        last = _only_use(project.outputs[0], "Add", dead)
         if last is None or len(dims_of(last.inputs[1]) or ()) > 1 or len(dims_of(last.inputs[0]) or ()) > 2:
             return
-    unmerge = _only_use(last.outputs[0], "Reshape")
-    back = _only_use(unmerge.outputs[0], "Transpose") if unmerge is not None else None
+    unmerge = _only_use(last.outputs[0], "Reshape", dead)
+    back = _only_use(unmerge.outputs[0], "Transpose", dead) if unmerge is not None else None
     width = _static(last.outputs[0])
     if back is None or attr(back, "perm") != [1, 0, 2] or width is None or width[0] != s * b \
             or _static(unmerge.outputs[0]) != [s, b, width[1]]:
@@ -191,8 +178,15 @@ def _output(graph: ir.Graph, transpose: ir.Node, unique) -> None:
     result = _node(unique, "Reshape", [last.outputs[0], out_shape.outputs[0]], [b, s, width[1]], last.outputs[0].dtype)
     graph.insert_after(last, [result])
     back.outputs[0].replace_all_uses_with(result.outputs[0])
-    for n in (back, unmerge, merge, transpose):
-        graph.remove(n, safe=True)
+    _drop(graph, [back, unmerge, merge, transpose])
+
+
+def _drop(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Remove ``nodes`` (readers before what they read) that nothing reads any more; one that a
+    dead node still reads stays until the cleanup after differentiation."""
+    for node in nodes:
+        if not any(o.uses() or o.is_graph_output() for o in node.outputs):
+            graph.remove(node, safe=True)
 
 
 def _constant(unique, hint: str, array: np.ndarray) -> ir.Node:
