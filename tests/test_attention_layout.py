@@ -123,3 +123,38 @@ def test_a_layer_with_dynamic_sizes_is_left_as_it_is():
     model = export(module, args, ["tokens", "y"], dynamo=False, opset=17, dynamic_batch=True)
     assert _ops(model, True) == _ops(model, False)
     compare_with_torch(Encoder(), args, ["tokens", "y"], dynamo=False, opset=17, rtol=1e-4, dynamic_batch=True)
+
+
+def test_an_eval_mode_export_with_folded_constants_is_rewritten_too(monkeypatch):
+    """Exported in eval mode with constant folding (the exporter's default), the attention's
+    shape reads are constants and their Shape nodes dead: they do not keep the rewrite away."""
+    import io
+    import warnings
+
+    module = Encoder().eval()
+    args = (torch.randint(1, 30, (3, 7)), torch.randint(0, 3, (3,)))
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, f, input_names=["tokens", "y"], output_names=["loss"], dynamo=False,
+                          opset_version=17, keep_initializers_as_inputs=True)
+    model = onnx.load_from_string(f.getvalue())
+    weights = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims)]
+    inputs = [i for i in model.graph.input if i.name not in set(weights)]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    before, after = _ops(model, False), _ops(model, True)
+    assert before.count("Transpose") - after.count("Transpose") >= 4 and after.count("Split") >= 2
+    feeds = {"tokens": args[0].numpy(), "y": args[1].numpy()}
+    loss, grads = ort_gradients(model, weights, feeds)
+    module.zero_grad()
+    module(*args).backward()
+    torch_grads = dict(module.named_parameters())
+    assert len(set(weights) & set(torch_grads)) == len(torch_grads)  # every parameter compared with autograd
+    np.testing.assert_allclose(loss, float(module(*args)), rtol=1e-5)
+    _without_rewrite(monkeypatch)
+    plain_loss, plain = ort_gradients(model, weights, feeds)
+    for w in weights:
+        np.testing.assert_allclose(grads[w], plain[w], rtol=1e-4, atol=1e-6, err_msg=w)
+        if w in torch_grads:
+            np.testing.assert_allclose(grads[w], torch_grads[w].grad.numpy(), rtol=1e-3, atol=1e-5, err_msg=w)
