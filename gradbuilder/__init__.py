@@ -11,6 +11,8 @@ _PUBLIC = {
     "TrainingParameters": ".training.params",
     "TrainingGraphBuilder": ".training.graph",
     "state_interface": ".training.graph",
+    "generate_artifacts": ".training.artifacts",
+    "export_model_for_inferencing": ".training.artifacts",
     "TrainingSession": ".runtime.session",
     "TrainingIOBinding": ".runtime.session",
     "clear_training_ep_instances": ".runtime.providers",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from .compiler.emitter import Emitter
     from .compiler.registry import register as register_gradient
     from .runtime.session import TrainingIOBinding, TrainingSession
+    from .training.artifacts import export_model_for_inferencing, generate_artifacts
     from .training.graph import TrainingGraphBuilder, state_interface
 
 
@@ -115,6 +118,8 @@ __all__ = [
     "GradientGraphBuilder",
     "TrainingGraphBuilder",
     "state_interface",
+    "generate_artifacts",
+    "export_model_for_inferencing",
     "TrainingParameters",
     "TrainingSession",
     "TrainingIOBinding",

@@ -73,7 +73,7 @@ def test_generate_artifacts_train_on_stock_onnxruntime(tmp_path, optimizer):
     feeds = {"x": rng.standard_normal((4, 3)).astype(np.float32), "target": np.array([0, 3, 1, 4], np.int64)}
     lr = np.array(0.1, np.float32)
     train = run_onnxruntime(onnx.load(paths["training_model.onnx"]), {**feeds, "W": ckpt["W"], "B": ckpt["B"]})
-    evaluated = run_onnxruntime(onnx.load(paths["eval_model.onnx"]), feeds)
+    evaluated = run_onnxruntime(onnx.load(paths["eval_model.onnx"]), {**feeds, "W": ckpt["W"], "B": ckpt["B"]})
     np.testing.assert_allclose(train["loss"], evaluated["loss"], rtol=1e-6)
     opt_feeds = {k: v for k, v in ckpt.items()}
     opt_feeds.update({"Learning_Rate": lr, "W_grad": train["W_grad"], "B_grad": train["B_grad"]})
@@ -109,3 +109,49 @@ def test_optimizer_names_are_read_as_training_parameters_reads_them(tmp_path, na
     assert states == set(state_names(plain, resolve(plain, {})))
     with pytest.raises(InvalidArgumentError, match="unknown optimizer 'adamz'"):
         generate_artifacts(linear_model(), optimizer="adamz", artifact_directory=tmp_path / "other")
+
+
+def test_the_artifacts_loop_trains_and_evaluates_as_a_training_session_does(tmp_path, capfd):
+    """examples/artifacts_loop.py on stock onnxruntime: 40 AdamW steps give TrainingSession's
+    losses and weights, the eval model evaluates the trained weights (the same accuracy as the
+    session's eval_step), and no model makes onnxruntime warn when it loads."""
+    import importlib.util
+    import os
+
+    from gradbuilder import TrainingParameters, TrainingSession
+    from gradbuilder.training.loss import append_loss
+
+    spec = importlib.util.spec_from_file_location(
+        "artifacts_loop", os.path.join(os.path.dirname(__file__), "..", "examples", "artifacts_loop.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 3)).astype(np.float32)
+    y = np.argmax(x @ rng.standard_normal((3, 5)), axis=1).astype(np.int64)
+    batches = [{"x": x[i:i + 4], "target": y[i:i + 4]} for i in range(0, 64, 4)] * 3
+
+    generate_artifacts(classifier(), loss="crossentropy", optimizer="adamw", artifact_directory=tmp_path)
+    capfd.readouterr()
+    loop = example.ArtifactsLoop(str(tmp_path))
+    assert capfd.readouterr().err == ""  # no "Initializer ... appears in graph inputs" on load
+    assert {"W", "B"} <= {i.name for i in loop.eval.get_inputs()}  # the eval model takes the trained weights
+    untrained = float(np.mean(np.concatenate([np.argmax(loop.evaluate(b)["logits"], axis=1) == b["target"]
+                                              for b in batches[:16]])))
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", enable_grad_norm_clip=False)
+    session = TrainingSession(append_loss(classifier(), "crossentropy", "logits"), params,
+                              providers=["CPUExecutionProvider"])
+    for step, batch in enumerate(batches, 1):
+        session.set_learning_rate(0.05)
+        want = float(session.run(["loss"], batch)[0])
+        got = loop.train_step(batch, lr=0.05)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"step {step}")
+    state = session.get_state()["model"]["full_precision"]
+    for w in ("W", "B"):
+        np.testing.assert_allclose(loop.state[w], state[w], rtol=1e-5, atol=1e-7)
+    assert int(loop.state["Step"]) == session.step == len(batches)
+    session.eval()
+    accuracy = {}
+    for name, logits in (("loop", [loop.evaluate(b)["logits"] for b in batches[:16]]),
+                         ("session", [session.eval_step(b["x"], b["target"])[0] for b in batches[:16]])):
+        accuracy[name] = float(np.mean(np.argmax(np.concatenate(logits), axis=1) == y))
+    assert accuracy["loop"] == accuracy["session"] >= untrained + 0.3, (accuracy, untrained)

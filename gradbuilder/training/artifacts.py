@@ -173,8 +173,9 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
             yield w, values[w]
             yield from ((state_of(w, s), v) for s, v in initial_states(optimizer, options, values[w]))
 
-    models = {"training_model.onnx": training._built(),
-              "eval_model.onnx": modelio.DetachedModel(inference_form(proto), large),
+    parameters = [*weights, *buffers]
+    models = {"training_model.onnx": _fed(training._built(), parameters),
+              "eval_model.onnx": _fed(modelio.DetachedModel(inference_form(proto), large), parameters),
               "optimizer_model.onnx": modelio.DetachedModel(optimizer_model, {})}
     data = {key: names[key] + ".data" for key, m in models.items() if m.uses_external_data()}  # over 2 GB
     keys = list(data.values()) + list(names)
@@ -185,6 +186,17 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
             m.write(tmp[key], tmp.get(data.get(key)), data.get(key))
         _write_npz(tmp["checkpoint.npz"], checkpoint())
     return {key: str(directory / name) for key, name in names.items()}
+
+
+def _fed(model: modelio.DetachedModel, parameters: Sequence[str]) -> modelio.DetachedModel:
+    """``model`` with ``parameters`` as graph inputs without initializers: a loop feeds them
+    from the checkpoint (as onnxruntime-training's models read them from its checkpoint state),
+    the eval model takes the trained ones, and onnxruntime has no initializer-and-input to warn
+    about on load."""
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model.skeleton)
+    modelio.weights_as_inputs(skeleton, parameters)
+    return modelio.DetachedModel(skeleton, model.weights)
 
 
 def _write_npz(path, arrays) -> None:
