@@ -21,6 +21,7 @@ from gradbuilder import (GradientGraphBuilder, TrainingGraphBuilder, TrainingPar
 from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.compat import MissingDependencyError, runtime_limits
 from gradbuilder.errors import InvalidArgumentError, ModelLoadError
+from gradbuilder.training.web import export_web
 
 CPU = ["CPUExecutionProvider"]
 MAX_IR, MAX_OPSET = runtime_limits()
@@ -284,23 +285,29 @@ def _logits(model):
     ("torchscript-default", "reads the folded constant 'onnx::Conv_"),
 ])
 @pytest.mark.slow
-def test_inference_optimized_export_warns_with_the_export_to_use(cnn_exports, export, fragment):
+def test_inference_optimized_export_is_refused_with_the_export_to_use(cnn_exports, export, fragment):
+    """Training it would train another model: refused in one line with the export call to use
+    instead and the option that goes ahead; with that option, the same words as a warning."""
     model = cnn_exports[export]
-    with pytest.warns(UserWarning, match="optimized for inference") as record:
+    with pytest.raises(InvalidArgumentError, match="optimized for inference") as info:
         _build_reduced(model)
-    message = str(record[0].message)
-    assert fragment in message
-    assert "dynamo=True, optimize=False, dynamic_shapes=" in message
-    assert "training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False" in message
-    assert record[0].filename == __file__
+    message = str(info.value)
+    assert "\n" not in message.strip()
+    for words in (fragment, "dynamo=True, optimize=False, dynamic_shapes=",
+                  "training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False",
+                  "allow_inference_export=True (--allow-inference-export)"):
+        assert words in message
+    with pytest.warns(UserWarning, match="optimized for inference") as record:
+        _build_reduced(model, allow_inference_export=True)
+    assert fragment in str(record[0].message) and record[0].filename == __file__
 
 
-def _build_reduced(model):
+def _build_reduced(model, **options):
     """Gradients of the mean logit: the exported CNN has no loss inside."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     model.graph.node.append(helper.make_node("ReduceMean", [_logits(model)], ["loss"], keepdims=0))
     model.graph.output.append(helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, []))
-    return GradientGraphBuilder(model, ["fc.weight"], ["loss"], "loss").build()
+    return GradientGraphBuilder(model, ["fc.weight"], ["loss"], "loss", **options).build()
 
 
 @pytest.mark.slow
@@ -321,12 +328,21 @@ def test_export_for_training_gives_no_warning(cnn_exports, export):
 
 
 @pytest.mark.slow
-def test_inference_optimized_export_warns_once_in_a_session(cnn_exports):
+def test_inference_optimized_export_is_refused_by_a_session_or_warned_about_once(cnn_exports, tmp_path):
     model = onnx.ModelProto.FromString(cnn_exports["dynamo-default"].SerializeToString())
     model.graph.node.append(helper.make_node("ReduceMean", [_logits(model)], ["loss"], keepdims=0))
     model.graph.output.append(helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, []))
+    with pytest.raises(InvalidArgumentError, match="optimized for inference.*allow_inference_export=True"):
+        TrainingSession(model, params(), providers=CPU)
+    for write in (lambda: generate_artifacts(model, artifact_directory=tmp_path / "a"),
+                  lambda: export_web(model, tmp_path / "w")):
+        with pytest.raises(InvalidArgumentError, match="optimized for inference"):
+            write()
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    allowed = params()
+    allowed.allow_inference_export = True
     with pytest.warns(UserWarning, match="optimized for inference") as record:
-        s = TrainingSession(model, params(), providers=CPU)
+        s = TrainingSession(model, allowed, providers=CPU)
         x = np.zeros((2, 3, 8, 8), np.float32)
         s.run(["loss"], {"x": x})
         s.train_step(x)
@@ -479,3 +495,23 @@ def test_recompute_budget_warning_points_at_the_caller():
     with pytest.warns(UserWarning, match="memory budget .* cannot be met") as record:
         s.run(["loss"], feeds())
     assert record[0].filename == __file__
+
+
+@pytest.mark.slow
+def test_the_command_line_refuses_an_inference_export_unless_told_to_go_ahead(cnn_exports, tmp_path, capsys):
+    """`gradbuilder train` on torch's default (BatchNorm folded into Conv) export: exit 2 with the
+    advice, nothing written; with --allow-inference-export it trains."""
+    from gradbuilder.cli import main
+
+    model = onnx.ModelProto.FromString(cnn_exports["torchscript-default"].SerializeToString())
+    path, data = tmp_path / "cnn.onnx", tmp_path / "d.npz"
+    onnx.save(model, path)
+    rng = np.random.default_rng(0)
+    np.savez(data, x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32), target=rng.integers(0, 5, 8))
+    out = tmp_path / "trained.onnx"
+    args = ["train", str(path), "--data", str(data), "--loss", "crossentropy", "--steps", "2", "--batch-size", "2",
+            "-o", str(out), "-q"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "optimized for inference" in err and "--allow-inference-export" in err and not out.exists()
+    assert main(args + ["--allow-inference-export"]) == 0 and out.exists()

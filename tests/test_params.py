@@ -36,7 +36,8 @@ def bad(match, **options):
 
 OUR_DEFAULTS = {"immutable_weights": {}, "mixed_precision_dtype": "float16", "memory_budget_mb": 0.0,
                 "memory_budget_fraction": 0.0, "on_nonfinite_step": "skip", "deterministic_compute": False,
-                "allow_tf32": False, "optimizer_state_layout": "auto", "enable_cuda_graph": False}
+                "allow_tf32": False, "optimizer_state_layout": "auto", "enable_cuda_graph": False,
+                "allow_inference_export": False}
 
 
 def test_defaults_equal_ort_1_19():

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import InvalidArgumentError
 from .common import (
     WEIGHTS_HELP,
+    allow_inference_export_option,
     check_input_file,
     check_output_directory,
     check_weights,
@@ -30,6 +31,7 @@ def _artifact_arguments(p) -> None:
     p.add_argument("--weights", nargs="+", metavar="N", help=WEIGHTS_HELP)
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
     p.add_argument("-o", "--output", required=True, help="directory to write the artifacts into (made if missing)")
+    allow_inference_export_option(p)
     common_options(p)
 
 
@@ -53,7 +55,8 @@ def _cmd_artifacts(args) -> int:
 
     written = generate_artifacts(args.model, requires_grad=args.weights, frozen_params=args.frozen or (),
                                  loss=args.loss, optimizer=args.optimizer, artifact_directory=args.output,
-                                 loss_output=args.loss_output, target_name=args.target or "target")
+                                 loss_output=args.loss_output, target_name=args.target or "target",
+                                 allow_inference_export=args.allow_inference_export)
     for path in written.values():
         print(f"wrote {path}")
     return 0
@@ -78,7 +81,7 @@ def _cmd_export_web(args) -> int:
     written = export_web(args.model, args.output, loss=args.loss, loss_output=args.loss_output,
                          target_name=args.target or "target", optimizer=args.optimizer, lr=args.lr,
                          requires_grad=args.weights, frozen_params=args.frozen or (),
-                         max_grad_norm=args.max_grad_norm)
+                         max_grad_norm=args.max_grad_norm, allow_inference_export=args.allow_inference_export)
     print(f"wrote {len(written)} files to {args.output}: {', '.join(Path(p).name for p in written.values())}")
     print(f"train them with: node examples/train.mjs {args.output}  (gradbuilder-train.mjs: {_web_module()})")
     return 0

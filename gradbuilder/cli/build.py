@@ -3,7 +3,7 @@ registered gradient rules)."""
 
 from __future__ import annotations
 
-from .common import check_input_file, check_output_file, common_options
+from .common import allow_inference_export_option, check_input_file, check_output_file, common_options
 
 
 def add_build(sub) -> None:
@@ -17,6 +17,7 @@ def add_build(sub) -> None:
                             "any: its float Constant tensors)")
     p.add_argument("--outputs", nargs="+", metavar="N", help="values kept as outputs (default: the loss)")
     p.add_argument("-o", "--output", required=True, help="path of the model to write")
+    allow_inference_export_option(p)
     common_options(p)
     p.set_defaults(fn=_cmd_build)
 
@@ -28,7 +29,8 @@ def _cmd_build(args) -> int:
 
     weights = args.weights or default_weights(args.model)
     outputs = args.outputs or [args.loss]
-    b = GradientGraphBuilder(args.model, weights=weights, outputs=outputs, loss=args.loss).build()
+    b = GradientGraphBuilder(args.model, weights=weights, outputs=outputs, loss=args.loss,
+                             allow_inference_export=args.allow_inference_export).build()
     b.save(args.output)
     t = b.timings
     print(f"wrote {args.output}: {len(weights)} weight gradients "

@@ -130,6 +130,12 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, message)
 
 
+def allow_inference_export_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-inference-export", action="store_true",
+                   help="train a PyTorch export optimized for inference as it is (BatchNorm folded into the "
+                        "convolution, parameters folded into constants); refused by default: it trains another model")
+
+
 def common_options(p: argparse.ArgumentParser, progress: bool = False, top: bool = False) -> None:
     # given after the command they reach the same place as before it; after it they override
     default = {} if top else {"default": argparse.SUPPRESS}

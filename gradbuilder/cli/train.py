@@ -16,6 +16,7 @@ import warnings
 from ..errors import CheckpointError, InvalidArgumentError
 from .common import (
     WEIGHTS_HELP,
+    allow_inference_export_option,
     check_distinct,
     check_input_file,
     check_output_file,
@@ -58,6 +59,7 @@ def add_train(sub) -> None:
     p.add_argument("--frozen", nargs="+", metavar="N", help="weights not to train")
     p.add_argument("--max-grad-norm", type=positive_float, help="clip gradients to this global L2 norm")
     p.add_argument("--accumulation-steps", type=integer(1), default=1, help="micro-batches per update (default 1)")
+    allow_inference_export_option(p)
     p.add_argument("--scheduler", choices=["linear", "cosine", "constant_with_warmup", "step"],
                    help="learning-rate schedule")
     p.add_argument("--warmup-steps", type=integer(0), help="scheduler warm-up updates (default 0)")
@@ -173,7 +175,8 @@ def _parameters(args, model, loss_name: str):
     params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=args.optimizer,
                                 enable_grad_norm_clip=args.max_grad_norm is not None,
                                 gradient_accumulation_steps=args.accumulation_steps,
-                                deepspeed_zero_stage=args.zero_stage)
+                                deepspeed_zero_stage=args.zero_stage,
+                                allow_inference_export=args.allow_inference_export)
     if args.weights:
         params.weights_to_train = args.weights
     if args.frozen:

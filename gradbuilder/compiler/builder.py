@@ -46,9 +46,10 @@ class GradientGraphBuilder:
     differentiate a gradient graph again). Trainable initializers also become graph inputs, the
     initializer kept as their default value.
 
-    ``warn_about_model`` (default True): ``build()`` warns about the model (an
-    inference-optimized export, merged parameters, an opset or IR version onnxruntime cannot
-    run); False for a graph built for a caller that already said so (a session).
+    ``warn_about_model`` (default True): ``build()`` checks the model (an inference-optimized
+    PyTorch export, which would train another model, is refused unless
+    ``allow_inference_export``; merged parameters, an opset or IR version onnxruntime cannot
+    run are warned about); False for a graph built for a caller that already did (a session).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class GradientGraphBuilder:
         running_statistics: bool = False,
         base_dir: str | os.PathLike | None = None,
         warn_about_model: bool = True,
+        allow_inference_export: bool = False,
     ):
         if weights is None or loss is None:
             raise InvalidArgumentError(f"weights and loss are required: {KEYWORD_FORM}")
@@ -94,6 +96,7 @@ class GradientGraphBuilder:
         self.deterministic = bool(deterministic)  # no scatter whose sums vary between runs (CUDA's atomics)
         self.running_statistics = bool(running_statistics)
         self.warn_about_model = bool(warn_about_model)
+        self.allow_inference_export = bool(allow_inference_export)
         self.buffers: list[str] = []
         self.unreached_weights: list[str] = []
         self.timings: dict[str, float] = {}
@@ -116,9 +119,9 @@ class GradientGraphBuilder:
             raise InvalidArgumentError(f"weights is empty: {nothing_to_train(proto.graph)}")
         if self.warn_about_model:
             from .tied_exports import warn_merged_parameters
-            from .torch_exports import warn_inference_export
+            from .torch_exports import check_inference_export
 
-            warn_inference_export(proto)
+            check_inference_export(proto, self.allow_inference_export)
             warn_merged_parameters(proto)
         model = pipeline.load(proto, self.weights + self.stop_gradients, quiet=not self.warn_about_model)
         del proto

@@ -6,8 +6,8 @@ Two kinds are recognised:
   ``optimize=True``) folds BatchNorm into the convolution before it, folds parameters into
   constants and fixes the batch size; the TorchScript exporter in eval mode with constant
   folding does the same. Training such a model trains another model, without an error.
-  :func:`inference_export_signs` lists what gives one away, :func:`warn_inference_export`
-  warns with the export call to use instead.
+  :func:`inference_export_signs` lists what gives one away, :func:`check_inference_export`
+  refuses it with the export call to use instead (or, asked to go ahead, warns).
 - traced sizes: the TorchScript exporter writes sizes that the Python code took as ints
   (``nn.MultiheadAttention``'s sequence length, ``x.view(8, -1)``) as constants, so the model
   fails at any other size. :func:`fixed_size_failure` reads onnxruntime's error, finds the
@@ -23,6 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..compat import warn
+from ..errors import InvalidArgumentError
 from ..dtypes import FLOAT_TENSOR_TYPES as _FLOATS
 
 _SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
@@ -122,13 +123,21 @@ def export_advice(proto: onnx.ModelProto) -> str:
             f"do_constant_folding=False, dynamic_axes={{'{names[0]}': {{0: 'batch'}}}})")
 
 
-def warn_inference_export(proto: onnx.ModelProto) -> None:
-    """Warn (at the user's call) when ``proto`` looks like an inference-optimized PyTorch export."""
+ALLOW = "allow_inference_export"  # the option that trains such a model anyway (--allow-inference-export)
+
+
+def check_inference_export(proto: onnx.ModelProto, allow: bool = False) -> None:
+    """Refuse ``proto`` when it looks like an inference-optimized PyTorch export (training it
+    would train another model), unless ``allow``: then warn, as for what is only unusual (a
+    batch size fixed by the export)."""
     signs = inference_export_signs(proto)
     fixed = fixed_batch(proto)
     if signs and signs != [fixed]:
-        warn("the model looks like a PyTorch export optimized for inference, and training it would train a "
-             f"different model: {'; '.join(signs)}. Re-export it for training: {export_advice(proto)}")
+        message = ("the model looks like a PyTorch export optimized for inference, and training it would train a "
+                   f"different model: {'; '.join(signs)}. Re-export it for training: {export_advice(proto)}")
+        if not allow:
+            raise InvalidArgumentError(f"{message}; or pass {ALLOW}=True (--allow-inference-export) to train it as it is")
+        warn(message)
     elif fixed:
         warn(f"the model is a PyTorch dynamo export whose {fixed[4:]}: it trains and runs at that batch size "
              f"only. For other sizes, re-export it: {export_advice(proto)}")

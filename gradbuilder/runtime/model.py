@@ -87,11 +87,11 @@ def read_model(path_or_bytes, params, base_dir=None):
     the model, which keeps them as graph inputs of their types; frozen parameters stay its
     initializers."""
     from ..compiler.tied_exports import warn_merged_parameters
-    from ..compiler.torch_exports import warn_inference_export
+    from ..compiler.torch_exports import check_inference_export
 
     model, large = modelio.load_detached(path_or_bytes, base_dir)
     compat.check_for_runtime(model, strict=True)  # the graphs must load in onnxruntime
-    warn_inference_export(model)
+    check_inference_export(model, params.allow_inference_export)
     warn_merged_parameters(model)
     weights = weights_of(model, params)
     modelio.lift_constants(model, weights)  # weights held in Constant nodes (paddle2onnx, spox)

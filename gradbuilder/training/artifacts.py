@@ -108,7 +108,8 @@ def _plain_optimizer(name) -> str:
 def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen_params: Sequence[str] = (),
                        loss: str | None = None, optimizer: str = "adamw", artifact_directory: str | os.PathLike = ".",
                        prefix: str = "", *, loss_output: str | None = None, target_name: str = "target",
-                       optimizer_options: dict | None = None, base_dir=None) -> dict[str, str]:
+                       optimizer_options: dict | None = None, base_dir=None,
+                       allow_inference_export: bool = False) -> dict[str, str]:
     """Write the training artifacts of ``model`` into ``artifact_directory``, as onnxruntime's
     ``generate_artifacts`` does, every one loadable by stock onnxruntime:
 
@@ -128,20 +129,21 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     initializer not in ``frozen_params`` (a model without any: its float Constant tensors, which
     requires_grad may name too). Nothing is written unless every artifact builds.
     ``base_dir``: where the model's external data files are (default: the folder of its path).
+    A PyTorch export optimized for inference is refused unless ``allow_inference_export``.
     """
     from ..compiler.builder import GradientGraphBuilder, default_weights
     from .loss import append_loss
     from .stages.optimizer import resolve
 
     from ..compiler.tied_exports import warn_merged_parameters
-    from ..compiler.torch_exports import warn_inference_export
+    from ..compiler.torch_exports import check_inference_export
 
     optimizer = _plain_optimizer(optimizer)
     names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
                                           "checkpoint.npz")}
     directory = _check_artifact_paths(artifact_directory, names)
     proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, read once
-    warn_inference_export(proto)
+    check_inference_export(proto, allow_inference_export)
     warn_merged_parameters(proto)
     compat.check_for_runtime(proto)
     if loss is not None:

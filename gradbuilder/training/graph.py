@@ -74,12 +74,14 @@ class TrainingGraphBuilder(GradientGraphBuilder):
         deterministic: bool = False,
         base_dir=None,
         warn_about_model: bool = True,
+        allow_inference_export: bool = False,
     ):
         super().__init__(model, weights, outputs, loss, stop_gradients=stop_gradients, mixed_precision=mixed_precision,
                          cast_propagation=cast_propagation, recompute=recompute,
                          memory_efficient_gradient=memory_efficient_gradient, deterministic=deterministic,
                          running_statistics=True,
-                         base_dir=base_dir, warn_about_model=warn_about_model)
+                         base_dir=base_dir, warn_about_model=warn_about_model,
+                         allow_inference_export=allow_inference_export)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InvalidArgumentError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -352,7 +354,7 @@ def from_parameters(model, params, outputs: Iterable[str] | None = None, base_di
         lr_name=params.lr_params_feed_name, gradients_as_outputs=params.set_gradients_as_graph_outputs,
         max_grad_norm=max_norm if params.enable_grad_norm_clip else None,
         accumulation_steps=params.gradient_accumulation_steps, warn_about_model=warn_about_model,
-        **graph_options(params))
+        allow_inference_export=params.allow_inference_export, **graph_options(params))
     builder.dump_paths = {"gradient": params.model_with_gradient_graph_path,
                           "training": params.model_with_training_graph_path,
                           "transformed": params.model_after_graph_transforms_path}

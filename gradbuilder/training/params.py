@@ -11,7 +11,7 @@ type is not trained) and ``set_optimizer_initial_state`` (read back as
 and value rather than by name, its overlap with ``weights_to_train`` can only be found against a
 model and is not checked here.
 
-Eight options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
+Nine options are gradbuilder's own (``EXTENSIONS``): ``mixed_precision_dtype`` ("float16",
 the default, or "bfloat16") picks the half type of ``use_mixed_precision``; ``memory_budget_mb``
 and ``memory_budget_fraction`` (of the activations the backward would hold) ask the recompute
 planner to fit the activations in a budget (0: none); ``on_nonfinite_step`` says what a
@@ -29,7 +29,10 @@ nodes over each: what a GPU wants, whose step is bound by its kernel launches), 
 whole model's), or "auto" (the default: flat on a GPU, per tensor on the CPU, as PyTorch's
 optimizers pick their multi-tensor ``foreach`` kernels on CUDA only); ``enable_cuda_graph``
 (named after the CUDA provider's option it sets) runs a session's full step as one captured
-CUDA graph (``runtime.capture``): a GPU only, one process, one set of input shapes.
+CUDA graph (``runtime.capture``): a GPU only, one process, one set of input shapes;
+``allow_inference_export`` trains a PyTorch export optimized for inference (BatchNorm folded
+into the convolution, parameters folded into constants) as it is, where the session refuses it
+by default: training it trains another model.
 
 Unlike ORT, every assignment is checked: types (a bool is not an int and an int is not a bool),
 ranges, contradictions, and options whose pass gradbuilder does not have yet (see
@@ -86,10 +89,12 @@ _ALSO_OFF: dict[str, tuple] = {}
 # gradbuilder's own options beyond onnxruntime-training's: the half-precision type of mixed
 # precision, and the activation-memory budget of the recompute planner (0: no budget).
 EXTENSIONS = ("mixed_precision_dtype", "memory_budget_mb", "memory_budget_fraction", "on_nonfinite_step",
-              "deterministic_compute", "allow_tf32", "optimizer_state_layout", "enable_cuda_graph")
+              "deterministic_compute", "allow_tf32", "optimizer_state_layout", "enable_cuda_graph",
+              "allow_inference_export")
 
 # option -> (kind, ORT 1.19 default). Kinds are checked by _check below.
 OPTIONS = {
+    "allow_inference_export": ("bool", False),
     "allreduce_post_accumulation": ("bool", False),
     "allow_tf32": ("bool", False),
     "attn_dropout_recompute": ("bool", False),

@@ -45,24 +45,28 @@ JS_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8",
 def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, loss_output: str | None = None,
                target_name: str = "target", optimizer: str = "adamw", optimizer_options: dict | None = None,
                lr: float = 1e-3, requires_grad: Sequence[str] | None = None, frozen_params: Sequence[str] = (),
-               max_grad_norm: float | None = None, base_dir=None) -> dict[str, str]:
+               max_grad_norm: float | None = None, base_dir=None,
+               allow_inference_export: bool = False) -> dict[str, str]:
     """Write the JavaScript training artifacts of ``model`` (bytes, path or ModelProto, never
     modified) into ``directory`` (see the module docstring); returns {name: path}. ``loss``
     appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to ``loss_output``
     reading the new input ``target_name``; without it the model's first output is the loss.
     ``lr`` is the learning rate the manifest starts with. Nothing is written unless every
-    artifact builds."""
+    artifact builds. A PyTorch export optimized for inference is refused unless
+    ``allow_inference_export``."""
     from .artifacts import _check_artifact_paths, _plain_optimizer
     from .graph import eval_model, from_parameters, state_interface, weights_of
     from .loss import append_loss
     from .params import TrainingParameters
     from ..compiler.passes.running_stats import buffers_of
+    from ..compiler.torch_exports import check_inference_export
 
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr >= 0):
         raise InvalidArgumentError(f"lr must be a finite number >= 0, got {lr!r}")
     plain = _plain_optimizer(optimizer)
     directory = _check_artifact_paths(directory, {n: n for n in NAMES})
     proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, never in one protobuf
+    check_inference_export(proto, allow_inference_export)
     compat.check_for_runtime(proto)
     if loss is not None:
         proto = append_loss(proto, loss, loss_output or proto.graph.output[0].name, target_name=target_name,
