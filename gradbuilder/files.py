@@ -107,6 +107,15 @@ def check_output_path(path, error=OutputError, what: str = "output file", probe:
     return target
 
 
+def check_not_the_input(path, source, error=OutputError, what: str = "output file") -> None:
+    """Refuse to write ``path`` over ``source``, the model the caller gave (when it is a path):
+    what the caller gives is never modified."""
+    if isinstance(source, (str, os.PathLike)) and os.path.exists(path) and os.path.exists(source) \
+            and os.path.samefile(path, source):
+        raise error(f"{what} '{path}' is the input model '{source}'; write it to another path (the input model is "
+                    "never overwritten)")
+
+
 def check_output_directory(path, error=OutputError, what: str = "output directory") -> Path:
     """``path`` as a Path, after checking it is a directory that accepts new files, or can be
     created: its closest existing ancestor is a directory that accepts new files."""

@@ -3,7 +3,8 @@ registered gradient rules)."""
 
 from __future__ import annotations
 
-from .common import allow_inference_export_option, check_input_file, check_output_file, common_options
+from .common import (allow_inference_export_option, check_distinct, check_input_file, check_output_file,
+                     common_options)
 
 
 def add_build(sub) -> None:
@@ -25,6 +26,7 @@ def add_build(sub) -> None:
 def _cmd_build(args) -> int:
     check_input_file("model", args.model)
     check_output_file("-o", args.output)
+    check_distinct(**{"the model": args.model, "-o": args.output})
     from ..compiler.builder import GradientGraphBuilder, default_weights
 
     weights = args.weights or default_weights(args.model)

@@ -144,7 +144,7 @@ def _check_files(args) -> tuple[dict, dict]:
         check_input_file("--resume", args.resume)
     check_output_file("--checkpoint", args.checkpoint)
     check_output_file("-o", args.output)
-    check_distinct(**{"--checkpoint": args.checkpoint, "-o": args.output})
+    check_distinct(**{"the model": args.model, "--data": args.data, "--checkpoint": args.checkpoint, "-o": args.output})
     data = load_arrays("--data", args.data, args.batch_size)
     evaluation = load_arrays("--eval-data", args.eval_data, args.batch_size) if args.eval_data else data
     return data, evaluation

@@ -291,7 +291,11 @@ class GradientGraphBuilder:
         return gs.import_onnx(self.model_proto)
 
     def save(self, path: str | os.PathLike, external_data: bool | None = None) -> str:
-        """Write the built model atomically; tensors go to ``<path>.data`` over 2 GB."""
+        """Write the built model atomically; tensors go to ``<path>.data`` over 2 GB. The input
+        model's own path is refused."""
+        from .. import files
+
+        files.check_not_the_input(path, self._source, InvalidArgumentError, "output model")
         self._built().save(path, external_data)
         return str(path)
 

@@ -48,10 +48,11 @@ def load_proto(model, base_dir: str | os.PathLike | None = None, external: bool 
         path = Path(model)
         files.check_input_file(path, ModelLoadError, "model file")  # not found, or a directory
         try:
-            proto = onnx.load(str(path), load_external_data=external and base_dir is None)
+            proto = onnx.load(str(path), load_external_data=False)  # external data: below, with its own errors
         except Exception as exc:
             raise ModelLoadError(f"could not read ONNX model '{path}': {exc}") from exc
         origin = f"model '{path}'"
+        base_dir = path.parent if base_dir is None else base_dir
     else:
         raise ModelLoadError(
             f"model must be bytes, a path or an onnx.ModelProto (or an onnx_graphsurgeon.Graph), not {type(model).__name__}"
@@ -68,11 +69,18 @@ def load_proto(model, base_dir: str | os.PathLike | None = None, external: bool 
     return proto
 
 
+# Dim names that exporters write for "unknown" on every such axis (paddle2onnx: '?'): not one
+# size shared by the axes that carry it, as a real symbolic name is.
+UNKNOWN_DIM_NAMES = frozenset({"?", "-1", "None", "unknown", "dynamic"})
+
+
 def _unknown_declared_dims(graph: onnx.GraphProto) -> None:
     """Declared sizes of -1 or 0 on the graph's (and its subgraphs') inputs, outputs and
     value_info become unknown sizes: paddle2onnx writes -1 for a dynamic axis, other exporters
-    0, and a gradient built on such a size would be wrong at run time. Initializers keep their
-    shapes (a 0 there is a real empty axis)."""
+    0, and a gradient built on such a size would be wrong at run time. So do the dim names that
+    mean "unknown" (:data:`UNKNOWN_DIM_NAMES`): read as a symbol, ``[-1, 3, '?', '?']`` would
+    say that height equals width. Initializers keep their shapes (a 0 there is a real empty
+    axis)."""
     for v in list(graph.input) + list(graph.output) + list(graph.value_info):
         _unknown_dims_of(v.type)
     for node in graph.node:
@@ -86,6 +94,8 @@ def _unknown_dims_of(t: onnx.TypeProto) -> None:
         for d in getattr(t, kind).shape.dim:
             if d.HasField("dim_value") and d.dim_value <= 0:
                 d.ClearField("dim_value")
+            elif d.HasField("dim_param") and d.dim_param.strip() in UNKNOWN_DIM_NAMES:
+                d.ClearField("dim_param")
     elif kind in ("sequence_type", "optional_type"):
         _unknown_dims_of(getattr(t, kind).elem_type)
     elif kind == "map_type":
@@ -164,6 +174,12 @@ def _load_external_data(proto: onnx.ModelProto, base_dir, origin: str) -> None:
         )
     if not Path(base_dir).is_dir():
         raise ModelLoadError(f"base_dir '{base_dir}' is not a folder (it should hold '{location}')")
+    for t in external:
+        name = ExternalDataInfo(t).location
+        if not (Path(base_dir) / name).is_file():
+            raise ModelLoadError(f"the external data file '{name}' of tensor '{t.name}' of {origin} is not in "
+                                 f"'{base_dir}'; put '{name}' there (beside the model, where the exporter wrote it), "
+                                 "or, from Python, pass base_dir= the folder holding it")
     try:
         onnx.load_external_data_for_model(proto, str(base_dir))
     except Exception as exc:
@@ -549,7 +565,8 @@ def _read_external(t: onnx.TensorProto, directory: Path) -> np.ndarray:
         raise ModelLoadError(f"base_dir '{directory}' is not a folder (it should hold '{info.location}')")
     if not path.is_file():
         raise ModelLoadError(f"the external data file '{info.location}' of tensor '{t.name}' is not in '{directory}'; "
-                             "pass base_dir= the folder holding it")
+                             f"put '{info.location}' there (beside the model, where the exporter wrote it), or, from "
+                             "Python, pass base_dir= the folder holding it")
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
     count = int(np.prod(t.dims, dtype=np.int64))
     if info.length is not None and info.length != count * dtype.itemsize:

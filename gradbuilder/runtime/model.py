@@ -124,6 +124,29 @@ def _check_loss(model: onnx.ModelProto, loss: str) -> None:
     if loss not in values:
         raise InvalidArgumentError(f"TrainingParameters.loss_output_name '{loss}' is not a value of the "
                                    f"model; its outputs are {[o.name for o in graph.output]}")
+    dims = _dims_of(model, loss)
+    if dims is not None and any(d != 1 for d in dims):
+        raise InvalidArgumentError(f"loss '{loss}' has shape {dims}; the loss must be a scalar (shape [] or all ones). "
+                                   "Reduce it first, e.g. with ReduceMean")
+
+
+def _dims_of(model: onnx.ModelProto, name: str) -> list | None:
+    """The dims of value ``name`` (ints, or names of symbolic sizes) as the model declares or
+    onnx infers them; None where neither knows its rank."""
+    def declared(graph):
+        for v in [*graph.output, *graph.value_info, *graph.input]:
+            if v.name == name and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+                return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                        for d in v.type.tensor_type.shape.dim]
+        return None
+
+    found = declared(model.graph)
+    if found is None:
+        try:
+            found = declared(onnx.shape_inference.infer_shapes(model).graph)
+        except Exception:  # noqa: BLE001 - a model onnx cannot infer: the build says what it finds
+            return None
+    return found
 
 
 def _class_indices(model: onnx.ModelProto) -> dict[str, tuple[int | None, int | None, str]]:

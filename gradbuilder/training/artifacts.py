@@ -34,6 +34,7 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
     depends on its own sample only. The write is atomic. ``base_dir``: where the model's
     external data files are (default: the folder of the model's path)."""
     files.check_output_path(output_path, what="inference model")  # before any work
+    files.check_not_the_input(output_path, model, InvalidArgumentError, "inference model")
     out = inference_model(model, output_names, weights, base_dir)
     out.check()
     out.save(output_path)
@@ -141,7 +142,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     optimizer = _plain_optimizer(optimizer)
     names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
                                           "checkpoint.npz")}
-    directory = _check_artifact_paths(artifact_directory, names)
+    directory = _check_artifact_paths(artifact_directory, names, model)
     proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, read once
     check_inference_export(proto, allow_inference_export)
     warn_merged_parameters(proto)
@@ -212,13 +213,14 @@ def _write_npz(path, arrays) -> None:
                 np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
-def _check_artifact_paths(artifact_directory, names: dict[str, str]):
-    """The artifact directory as a Path, once it is known the artifacts can be written there
-    (before anything is built)."""
+def _check_artifact_paths(artifact_directory, names: dict[str, str], model=None):
+    """The artifact directory as a Path, once it is known the artifacts can be written there,
+    none of them over the input ``model`` (before anything is built)."""
     directory = files.check_output_directory(artifact_directory, what="artifact directory")
     if directory.is_dir():
         for name in names.values():
             files.check_output_path(directory / name, what="artifact", probe=False)
+            files.check_not_the_input(directory / name, model, InvalidArgumentError, "artifact")
     return directory
 
 

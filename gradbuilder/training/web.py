@@ -64,7 +64,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr >= 0):
         raise InvalidArgumentError(f"lr must be a finite number >= 0, got {lr!r}")
     plain = _plain_optimizer(optimizer)
-    directory = _check_artifact_paths(directory, {n: n for n in NAMES})
+    directory = _check_artifact_paths(directory, {n: n for n in NAMES}, model)
     proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, never in one protobuf
     check_inference_export(proto, allow_inference_export)
     compat.check_for_runtime(proto)
