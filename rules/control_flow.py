@@ -94,14 +94,17 @@ def _flat(e, v: ir.Value) -> ir.Value:
 
 
 def _backward_branch(branch, wanted, dys, e):
-    """A copy of ``branch`` extended with the gradients of ``wanted`` as its outputs."""
+    """A copy of ``branch`` extended with the gradients of ``wanted`` as its outputs, each
+    declared with the shape the branch computes for it, not ``wanted``'s: a branch that never
+    runs may disagree with the If's declared output (torch's ``squeeze(dim)``: If(size == 1,
+    Squeeze, Identity) declared squeezed), and its gradient with it."""
     g = _clone(branch, e, "bw")
     sub = e.child(g)
     seeds: dict = {}
     for out, dy in zip(g.outputs, dys):
         _seed(seeds, out, dy, sub)
     grads = walk(g, wanted, seeds, sub)
-    _as_outputs(g, [_or_zeros(grads, v, sub) for v in wanted], wanted, sub)
+    _as_outputs(g, [_or_zeros(grads, v, sub) for v in wanted], wanted, sub, shapes=[None] * len(wanted))
     return g
 
 

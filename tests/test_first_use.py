@@ -103,3 +103,44 @@ def test_a_dim_named_unknown_is_not_one_size_shared_by_its_axes(tmp_path):
     np.savez(data, x=np.repeat(batch["x"], 4, axis=0), t=np.repeat(batch["t"], 4, axis=0))
     assert main(["train", str(path), "--data", str(data), "--steps", "2", "--batch-size", "4",
                  "-o", str(tmp_path / "trained.onnx"), "-q"]) == 0
+
+
+def test_a_recurrent_export_whose_squeeze_is_an_if_builds_a_valid_graph_and_trains_as_pytorch():
+    """torch's TorchScript export writes ``squeeze(dim)`` of a size it cannot see as If(size ==
+    1, Squeeze, Identity), the If declared squeezed: the Identity branch disagrees with that
+    declaration, and the gradient graph built from it failed onnx.checker. It passes now, and
+    the gradients are autograd's."""
+    import torch
+
+    from .torch_models import ort_gradients
+
+    class Last(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.rnn, self.fc = torch.nn.GRU(4, 6, batch_first=True), torch.nn.Linear(6, 2)
+
+        def forward(self, x, t):
+            out, _ = self.rnn(x)
+            return torch.nn.functional.mse_loss(self.fc(out[:, -1:, :].squeeze(1)), t)
+
+    import io
+    import warnings
+
+    module, args = Last(), (torch.randn(3, 5, 4), torch.randn(3, 2))
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, f, dynamo=False, opset_version=17, input_names=["x", "t"],
+                          output_names=["loss"], training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          dynamic_axes={"x": {0: "batch", 1: "steps"}, "t": {0: "batch"}})
+    model = onnx.load_from_string(f.getvalue())
+    assert "If" in [n.op_type for n in model.graph.node]
+    weights = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT]
+    loss, grads = ort_gradients(model, weights, {"x": args[0].numpy(), "t": args[1].numpy()})  # checks the model
+    module(*args).backward()
+    params = dict(module.named_parameters())
+    assert set(weights) == set(params)
+    np.testing.assert_allclose(loss, float(module(*args)), rtol=1e-5)
+    for w in weights:
+        np.testing.assert_allclose(grads[w], params[w].grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=w)
