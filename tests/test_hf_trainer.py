@@ -65,3 +65,22 @@ def test_save_pretrained_and_from_pretrained_round_trip_through_the_wrapper(tmp_
     loaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch).logits, wrapped(**batch).logits)
+
+
+def test_trainer_save_model_writes_a_checkpoint_from_pretrained_loads(tmp_path):
+    """Trainer.save_model saves with save_pretrained only for a PreTrainedModel (or what
+    accelerate unwraps to one); the wrapper of one counts as its model's class, so the directory
+    has config.json and loads with from_pretrained, with the trained weights."""
+    from transformers import BertForSequenceClassification, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    wrapped = ORTModule(tiny_bert(vocab=64, positions=16, labels=3, intermediate=48))
+    _train(wrapped, tmp_path / "run")
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)
+    Trainer(model=wrapped, args=args).save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "config.json").is_file()
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path / "saved")
+    for (name, p), q in zip(wrapped.module.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(q, p, msg=name)
+    assert isinstance(wrapped, ORTModule) and isinstance(wrapped, BertForSequenceClassification)
+    assert type(copy.deepcopy(wrapped)) is ORTModule

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copyreg
+
 import collections
 import contextlib
 import inspect
@@ -296,6 +298,25 @@ class ORTModule(torch.nn.Module):
 
     def _replicate_for_data_parallel(self):
         raise InvalidArgumentError(_DATA_PARALLEL)
+
+    # A wrapped Hugging Face model counts as its class: transformers' Trainer saves with
+    # save_pretrained (config.json beside the weights) only for an instance of PreTrainedModel,
+    # and save_pretrained itself unwraps ``.module``. ``type()`` stays ORTModule; isinstance
+    # also reads ``__class__``.
+    @property
+    def __class__(self):
+        module = self.__dict__.get("_modules", {}).get("module")
+        return type(module) if module is not None and _is_pretrained_model(module) else type(self)
+
+    def __reduce_ex__(self, protocol):
+        # copy and pickle rebuild an ORTModule, not the class __class__ names
+        return copyreg.__newobj__, (type(self),), self.__getstate__()
+
+
+def _is_pretrained_model(module) -> bool:
+    """Whether ``module`` is a transformers PreTrainedModel (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(module).__mro__)
 
 
 class _Forward:
