@@ -567,7 +567,7 @@ def test_held_outputs_do_not_keep_earlier_states_alive():
 
 
 def test_per_weight_optimizer_attributes_and_defaults_for_weights_not_listed():
-    """The README's snippet: AdamOptimizer attributes for fc1 only; fc2 takes the optimizer's
+    """The training-graphs guide's snippet: AdamOptimizer attributes for fc1 only; fc2 takes the optimizer's
     defaults (onnxruntime's: no weight decay). torch: the same as two parameter groups."""
     p = TrainingParameters(loss_output_name="loss", training_optimizer_name="AdamOptimizer",
                            enable_grad_norm_clip=False)

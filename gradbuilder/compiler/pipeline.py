@@ -172,5 +172,5 @@ def release() -> None:
     objects are all young (:func:`cyclic_collection_paused`), so collecting the youngest
     generation frees it without scanning the process's long-lived objects, which a full
     ``gc.collect()`` did, at most of a small build's time when torch is loaded. Without it the
-    IR stayed beside the checker and raised the build's peak (README, Build speed)."""
+    IR stayed beside the checker and raised the build's peak (docs/guide/build-speed.md)."""
     gc.collect(0)

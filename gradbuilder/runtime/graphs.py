@@ -96,7 +96,7 @@ class GraphCache:
                 options = _providers.options_with(options, enable_mem_pattern=False)
             if kind.takes_turns:
                 # The step-wise API's graphs take turns: a pool still spinning after its run slows
-                # the other graph's (README, Speed and memory).
+                # the other graph's (docs/guide/training-session.md).
                 options = taking_turns(options)
             provider_options = None
             if self.captured and kind is Kind.STEP:

@@ -30,8 +30,8 @@ def session_settings(arena: bool = True):
     - onnxruntime's buffer reuse (``enable_mem_reuse``) hands a freed buffer to a later value
       of the same size. With the arena on, it kept the transformer benchmark's resident memory
       at its first layer's high-water mark through the whole backward; without it the
-      whole-layer recompute step peaks far lower for a little more time (README, Mixed
-      precision and recompute). With the arena off, buffer reuse is what lets an element-wise
+      whole-layer recompute step peaks far lower for a little more time
+      (docs/guide/mixed-precision-and-recompute.md). With the arena off, buffer reuse is what lets an element-wise
       node write over its dying input. So reuse is turned off only with the arena on.
     """
     import onnxruntime as ort
