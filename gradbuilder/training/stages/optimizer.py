@@ -155,9 +155,11 @@ def add_optimizer(e, weights: list, grads: dict, name: str, options: dict, lr_na
                 {s: flat([u.CastLike(olds[j][1][s], w0) for j in members]) for s in olds[members[0]][1]}, own, k)
             parts = {key: u.split_into(v, len(members), 0, u.ints(sizes)) for key, v in [("w", new), *new_values.items()]}
             for i, j in enumerate(members):
-                dims = [int(d) for d in olds[j][0].shape]
-                back = (lambda v: v) if len(dims) == 1 else (lambda v, shape=u.ints(dims): u.Reshape(v, shape))
-                done[j] = (back(parts["w"][i]), {s: back(parts[s][i]) for s in new_values})
+                # each piece back in its shape through a Reshape, a vector's too: a Split output
+                # made the updated weight itself, written in place, broke a pipeline stage's step
+                shape = u.ints([int(d) for d in olds[j][0].shape])
+                done[j] = (u.Reshape(parts["w"][i], shape),
+                           {s: u.Reshape(parts[s][i], shape) for s in new_values})
         return ([done[j][0] for j in chosen]
                 + [u.CastLike(done[j][1][s], olds[j][1][s]) for j in chosen for s in olds[j][1]])
 
