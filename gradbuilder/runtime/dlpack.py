@@ -8,12 +8,17 @@ import onnxruntime as ort
 import onnxruntime.capi._pybind_state as _C
 import torch
 
+from .views import from_capsule
+
 
 def to_ort(t: torch.Tensor) -> ort.OrtValue:
     t = t.detach().contiguous()
-    if t.dtype == torch.bool:  # onnxruntime reads DLPack booleans as bytes flagged boolean
-        return ort.OrtValue(_C.OrtValue.from_dlpack(t.view(torch.uint8).__dlpack__(), True))
-    return ort.OrtValue.from_dlpack(t)
+    if t.dtype == torch.bool:  # onnxruntime's GPU build reads DLPack booleans as bytes flagged boolean
+        try:
+            return ort.OrtValue(_C.OrtValue.from_dlpack(t.view(torch.uint8).__dlpack__(), True))
+        except TypeError:  # its CPU build: the capsule alone, the boolean type in it
+            return from_capsule(t.__dlpack__())
+    return from_capsule(t.__dlpack__())
 
 
 def to_torch(v: ort.OrtValue) -> torch.Tensor:

@@ -47,4 +47,14 @@ def view(buffer: ort.OrtValue, offset: int, shape: Sequence[int]) -> ort.OrtValu
     tensor.ndim = len(shape)
     tensor.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
     tensor.strides = None
-    return ort.OrtValue(_C.OrtValue.from_dlpack(capsule, False))
+    return from_capsule(capsule)
+
+
+def from_capsule(capsule, is_bool: bool = False) -> ort.OrtValue:
+    """An OrtValue over the memory of a DLPack ``capsule``. onnxruntime's GPU build takes a flag
+    saying that bytes are booleans; its CPU build takes the capsule alone (and reads booleans
+    from the DLPack type): ``is_bool`` applies to the first."""
+    try:
+        return ort.OrtValue(_C.OrtValue.from_dlpack(capsule, is_bool))
+    except TypeError:  # the other signature: nothing was consumed yet
+        return ort.OrtValue(_C.OrtValue.from_dlpack(capsule))
