@@ -38,9 +38,9 @@ from ..compiler.passes.recompute import RANDOM_OPS
 from ..dtypes import NP_OF_ORT
 from ..errors import InvalidArgumentError, ProviderError
 from ..interface import updated
-from .executor import LocalExecutor, _OrtErrors, resolve_providers
+from .executor import LocalExecutor, _OrtErrors, updated_and_read
 from .graphs import Kind
-from .providers import CUDA, CUDA_GRAPH as OPTION, cached_session, device_of, nodes_without_cuda_kernel
+from .providers import CPU, CUDA, CUDA_GRAPH as OPTION, cached_session, nodes_without_cuda_kernel
 from .runner import StepBinding
 
 GRAPH_ID = "gpu_graph_id"  # the run option that picks a captured graph
@@ -101,19 +101,6 @@ def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
         if n.op_type == "Constant" and name in n.output and n.attribute[0].type == onnx.AttributeProto.TENSOR:
             return onnx.numpy_helper.to_array(n.attribute[0].t)
     return None
-
-
-def check_capture(device: tuple[str, int], distributed: bool) -> None:
-    """Refuse ``enable_cuda_graph`` where it cannot apply: off CUDA, or across processes."""
-    if device[0] != "cuda":
-        raise InvalidArgumentError(
-            f"TrainingParameters.{OPTION}=True captures the step as a CUDA graph and needs CUDAExecutionProvider; this "
-            f"session runs on {'CPUExecutionProvider' if device[0] == 'cpu' else device[0]}. Pass "
-            f"providers=['CUDAExecutionProvider'] on a machine with a GPU, or leave {OPTION} off")
-    if distributed:
-        raise InvalidArgumentError(
-            f"TrainingParameters.{OPTION}=True captures a step run in one process; data and pipeline parallel steps "
-            f"exchange gradients between graphs. Leave {OPTION} off with data_parallel_size or pipeline_parallel_size")
 
 
 class CapturedStep(StepBinding):
@@ -192,7 +179,7 @@ def _copy_on_device(source: ort.OrtValue, target: ort.OrtValue, device: tuple[st
     """``source`` into ``target``, both on ``device``, by an Identity node onnxruntime runs there
     (no trip through the host)."""
     kind, index = device
-    providers, options = ([CUDA], [{"device_id": str(index)}]) if kind == "cuda" else (["CPUExecutionProvider"], [{}])
+    providers, options = ([CUDA], [{"device_id": str(index)}]) if kind == "cuda" else ([CPU], [{}])
     session = cached_session(_identity(source.data_type(), len(source.shape())), None, providers, options)
     binding = session.io_binding()
     binding.bind_ortvalue_input("x", source)
@@ -232,6 +219,7 @@ class CapturedExecutor(LocalExecutor):
 
     def __init__(self, parts):
         super().__init__(parts)
+        parts.params.enable_cuda_graph = True  # the session's private copy: a move checks it (check_device)
         parts.builder.branch_free_update = True  # no If: its condition would be read on the host
         parts.graphs.captured = True
         self._step: CapturedStep | None = None
@@ -256,9 +244,7 @@ class CapturedExecutor(LocalExecutor):
                     f"CUDA graph for {shape} and replays that shape; feed batches of one shape (drop or pad the last "
                     f"one), or leave TrainingParameters.{OPTION} off")
         graph = p.graphs[Kind.STEP]
-        bound = {n: v for n, v in p.state.bound().items() if n in graph.inputs}
-        state = {n: v for n, v in bound.items() if updated(n) in graph.outputs}
-        read = {n: v for n, v in bound.items() if n not in state}
+        state, read = updated_and_read(graph, p.state.bound())
         checked = self.check_feeds(Kind.STEP, feeds, {**state, **read, p.builder.lr_name: rate})
         step = self._step
         if step is None or step.graph is not graph or not step.holds(state, read):
@@ -273,7 +259,5 @@ class CapturedExecutor(LocalExecutor):
         return results
 
     def place(self, providers, provider_options=None):
-        names, options = resolve_providers(providers, provider_options, self.parts.params.allow_tf32)
-        check_capture(device_of(names, options), False)
+        super().place(providers, provider_options)  # refuses a device without CUDA (check_device)
         self._step = None
-        super().place(providers, provider_options)

@@ -152,7 +152,7 @@ class LocalExecutor(Executor):
         p = self.parts
         names, options = resolve_providers(providers, provider_options, p.params.allow_tf32)
         device = _providers.device_of(names, options)
-        check_precision(p.params, device)
+        check_device(p.params, device)
         p.graphs.set_providers(names, options, device)
         p.state.move_to(device)
 
@@ -209,8 +209,7 @@ class LocalExecutor(Executor):
         (``GraphCache.in_place``: the weights and the optimizer's states of a step) is updated
         in place, the rest alternates between two buffer sets. Returns the outputs, the new
         state as ``X.updated``."""
-        read = {n: v for n, v in state.items() if n in graph.inputs and updated(n) not in graph.outputs}
-        state = {n: v for n, v in state.items() if n in graph.inputs and updated(n) in graph.outputs}
+        state, read = updated_and_read(graph, state)
         per_run = {**per_run, **read}
         binding = self._bindings.get(kind)
         if binding is None or binding.graph is not graph or not binding.holds(state):
@@ -248,6 +247,14 @@ class LocalExecutor(Executor):
         compat.warn(f"{message}; {p.skipped_steps} skipped so far (TrainingSession.skipped_steps)", RuntimeWarning)
 
 
+def updated_and_read(graph, state: Mapping[str, ort.OrtValue]) -> tuple[dict, dict]:
+    """Of the ``state`` values ``graph`` takes: (those it updates, ``X`` with an output
+    ``X.updated``; those it only reads)."""
+    taken = {n: v for n, v in state.items() if n in graph.inputs}
+    updates = {n: v for n, v in taken.items() if updated(n) in graph.outputs}
+    return updates, {n: v for n, v in taken.items() if n not in updates}
+
+
 def resolve_providers(providers, provider_options, allow_tf32: bool = False):
     """``providers.resolve_providers``, its warnings (a provider not usable here) pointing at
     the user's call. The CUDA provider's own ``enable_cuda_graph`` is refused: it would capture
@@ -259,14 +266,25 @@ def resolve_providers(providers, provider_options, allow_tf32: bool = False):
         if name == _providers.CUDA and str(opts.get(_providers.CUDA_GRAPH, "0")).lower() in ("1", "true"):
             raise InvalidArgumentError(
                 f"provider option {_providers.CUDA_GRAPH} of {name}: set TrainingParameters.{_providers.CUDA_GRAPH}=True "
-                "instead; a "
-                "captured training step needs its state and inputs bound at fixed addresses, which the session "
-                "then does")
+                "instead; a captured training step needs its state and inputs bound at fixed addresses, which the "
+                "session then does")
     return names, options
 
 
-def check_precision(params, device) -> None:
-    """bfloat16 mixed precision runs only where onnxruntime has bfloat16 kernels (CUDA)."""
+def check_device(params, device, distributed: bool = False) -> None:
+    """Refuse ``params`` options that cannot apply on ``device`` (in one process of several, if
+    ``distributed``): bfloat16 mixed precision needs onnxruntime's bfloat16 kernels (CUDA), and a
+    step captured as a CUDA graph (``enable_cuda_graph``, runtime.capture) CUDA and one process."""
+    option = f"TrainingParameters.{_providers.CUDA_GRAPH}=True"
+    if params.enable_cuda_graph and device[0] != "cuda":
+        raise InvalidArgumentError(
+            f"{option} captures the step as a CUDA graph and needs CUDAExecutionProvider; this session runs on "
+            f"{'CPUExecutionProvider' if device[0] == 'cpu' else device[0]}. Pass providers=['CUDAExecutionProvider'] "
+            f"on a machine with a GPU, or leave {_providers.CUDA_GRAPH} off")
+    if params.enable_cuda_graph and distributed:
+        raise InvalidArgumentError(
+            f"{option} captures a step run in one process; data and pipeline parallel steps exchange gradients "
+            f"between graphs. Leave {_providers.CUDA_GRAPH} off with data_parallel_size or pipeline_parallel_size")
     if params.use_mixed_precision and params.mixed_precision_dtype == "bfloat16" and device[0] == "cpu":
         raise InvalidArgumentError(
             "TrainingParameters.mixed_precision_dtype='bfloat16' needs CUDAExecutionProvider: onnxruntime has no "

@@ -56,8 +56,9 @@ class ModelFacts:
         loss is a value of the model, every weight has a value), and the initial state: the
         optimizer's and ``values``."""
         weights, loss = list(builder.weights), builder.loss
-        _check_loss(model, loss)
-        labels = _class_indices(model)
+        type_of = _types(model)
+        _check_loss(model, loss, type_of)
+        labels = _class_indices(model, type_of)
         missing = [w for w in weights if w not in values]
         if missing:
             raise InvalidArgumentError(f"the weights {missing} are graph inputs without an initializer; give them "
@@ -117,55 +118,58 @@ def output_names(model: onnx.ModelProto, loss: str) -> list[str]:
     return names if loss in names else [loss] + names
 
 
-def _check_loss(model: onnx.ModelProto, loss: str) -> None:
+def _types(model: onnx.ModelProto):
+    """``type_of(name)``: the type with a shape that ``model`` declares for a value, else the one
+    onnx infers (inferred once, for the first value the model does not declare); None where
+    neither knows its rank."""
+    graph = model.graph
+    known = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output] if _shaped(v.type)}
+    inferred = []
+
+    def type_of(name: str) -> onnx.TypeProto | None:
+        if name not in known and not inferred:
+            inferred.append(True)
+            try:
+                g = onnx.shape_inference.infer_shapes(model).graph
+            except Exception:  # noqa: BLE001 - a model onnx cannot infer: the build and onnxruntime say what they find
+                return None
+            known.update({v.name: v.type for v in [*g.value_info, *g.output] if v.name not in known and _shaped(v.type)})
+        return known.get(name)
+
+    return type_of
+
+
+def _shaped(t: onnx.TypeProto) -> bool:
+    return t.HasField("tensor_type") and t.tensor_type.HasField("shape")
+
+
+def _check_loss(model: onnx.ModelProto, loss: str, type_of) -> None:
     graph = model.graph
     values = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     values |= {o for n in graph.node for o in n.output if o}
     if loss not in values:
         raise InvalidArgumentError(f"TrainingParameters.loss_output_name '{loss}' is not a value of the "
                                    f"model; its outputs are {[o.name for o in graph.output]}")
-    dims = _dims_of(model, loss)
+    t = type_of(loss)
+    dims = None if t is None else [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                                   for d in t.tensor_type.shape.dim]
     if dims is not None and any(d != 1 for d in dims):
         raise InvalidArgumentError(f"loss '{loss}' has shape {dims}; the loss must be a scalar (shape [] or all ones). "
                                    "Reduce it first, e.g. with ReduceMean")
 
 
-def _dims_of(model: onnx.ModelProto, name: str) -> list | None:
-    """The dims of value ``name`` (ints, or names of symbolic sizes) as the model declares or
-    onnx infers them; None where neither knows its rank."""
-    def declared(graph):
-        for v in [*graph.output, *graph.value_info, *graph.input]:
-            if v.name == name and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
-                return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
-                        for d in v.type.tensor_type.shape.dim]
-        return None
-
-    found = declared(model.graph)
-    if found is None:
-        try:
-            found = declared(onnx.shape_inference.infer_shapes(model).graph)
-        except Exception:  # noqa: BLE001 - a model onnx cannot infer: the build says what it finds
-            return None
-    return found
-
-
-def _class_indices(model: onnx.ModelProto) -> dict[str, tuple[int | None, int | None, str]]:
+def _class_indices(model: onnx.ModelProto, type_of) -> dict[str, tuple[int | None, int | None, str]]:
     """The class-index inputs of the model's losses, so that a label out of range is refused
-    before a run: {input: (class count or None, ignore_index or None, the node)}."""
+    before a run: {input: (class count or None, ignore_index or None, the node)}; ``type_of``
+    is :func:`_types`'."""
     graph = model.graph
     labels: dict[str, tuple[int | None, int | None, str]] = {}
     inputs = {i.name for i in graph.input}
     losses = [n for n in graph.node if n.op_type in _CLASS_LOSSES and n.domain in ("", "ai.onnx")
               and len(n.input) > 1 and n.input[1] in inputs]
-    if not losses:
-        return labels
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - no class count known: onnxruntime checks at run time
-        inferred = model
-    types = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
     for n in losses:
-        dims = types[n.input[0]].tensor_type.shape.dim if n.input[0] in types else []
+        t = type_of(n.input[0])  # none known: no class count, onnxruntime checks at run time
+        dims = t.tensor_type.shape.dim if t is not None else []
         classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
         ignore = next((a.i for a in n.attribute if a.name == "ignore_index"), None)
         labels[n.input[1]] = (classes, ignore, f"node '{n.name}' ({n.op_type})")

@@ -45,7 +45,7 @@ from ..training.graph import from_parameters
 from ..training.stages import flat
 from ..training.stages.optimizer import jsonable
 from . import capture, checkpoint, distributed, providers as _providers, schedulers
-from .executor import Executor, LocalExecutor, Parts, check_precision, resolve_providers
+from .executor import Executor, LocalExecutor, Parts, check_device, resolve_providers
 from .graphs import GraphCache, Kind
 from .model import ModelFacts, output_names, read_model
 from .state import StateStore, without_accumulation
@@ -79,9 +79,7 @@ class TrainingSession:
         if topo is not None:
             options = distributed.one_device_per_process(names, options)
         device = _providers.device_of(names, options)
-        check_precision(params, device)
-        if params.enable_cuda_graph:
-            capture.check_capture(device, topo is not None)
+        check_device(params, device, topo is not None)
         # One flat buffer per dtype and options for the weights and each of their states, the
         # step updating each in a few nodes (training.stages.flat), where the parameters or the
         # device ask for it (optimizer_state_layout); a distributed step keeps a tensor per
