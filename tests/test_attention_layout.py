@@ -169,3 +169,42 @@ def test_an_eval_mode_export_with_folded_constants_is_rewritten_too(monkeypatch)
         np.testing.assert_allclose(grads[w], plain[w], rtol=1e-4, atol=1e-6, err_msg=w)
         if w in torch_grads:
             np.testing.assert_allclose(grads[w], torch_grads[w], rtol=1e-3, atol=1e-5, err_msg=w)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_a_session_trains_the_rewritten_encoder_as_pytorch_does(threads, tmp_path):
+    """The whole workflow on a rewritten encoder: six SGD steps of a TrainingSession against
+    torch.optim.SGD on the module (losses, then every weight), and the exported inference model
+    against the trained module's eval output. (SGD: the key bias's true gradient is zero, and
+    Adam turns either run's round-off there into steps of lr.)"""
+    import onnxruntime as ort
+
+    from gradbuilder import TrainingParameters, TrainingSession
+
+    module = Encoder()
+    torch_module = Encoder()
+    tokens, y = torch.randint(1, 30, (3, 7)), torch.randint(0, 3, (3,))
+    model = export(module, (tokens, y), ["tokens", "y"], dynamo=False, opset=17)
+    assert "Squeeze" in _ops(model, False) and "Squeeze" not in _ops(model, True)  # the rewrite applies
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="sgd", enable_grad_norm_clip=False)
+    session = TrainingSession(model, params, sess_options=so, providers=["CPUExecutionProvider"])
+    session.set_learning_rate(0.1)
+    optimizer = torch.optim.SGD(torch_module.parameters(), lr=0.1)
+    feeds = {"tokens": tokens.numpy(), "y": y.numpy()}
+    for step in range(6):
+        optimizer.zero_grad()
+        want = torch_module(tokens, y)
+        want.backward()
+        optimizer.step()
+        got = float(session.run(["loss"], feeds)[0])
+        np.testing.assert_allclose(got, float(want), rtol=2e-5, err_msg=f"step {step}")
+    trained = session.get_model_state()["full_precision"]
+    for name, p in torch_module.named_parameters():
+        np.testing.assert_allclose(trained[name], p.detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    session.export_model_for_inferencing(tmp_path / "encoder.onnx", ["loss"])
+    exported = ort.InferenceSession(str(tmp_path / "encoder.onnx"), providers=["CPUExecutionProvider"])
+    torch_module.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(exported.run(None, feeds)[0], float(torch_module(tokens, y)), rtol=1e-5)
