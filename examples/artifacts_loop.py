@@ -7,7 +7,7 @@
 (the loss and each weight's gradient ``W_grad``; running statistics come back as
 ``B.updated``), ``eval_model.onnx`` (the loss in inference form), ``optimizer_model.onnx`` (one
 update: every weight, its gradient and optimizer states in, ``W.updated`` ... out) and
-``checkpoint.npz`` (the weights, running statistics, optimizer states and ``Step``). Every
+``checkpoint.safetensors`` (the weights, running statistics, optimizer states and ``Step``). Every
 parameter is a plain graph input of the models: the loop below holds them in a dict, feeds
 them to each run, and takes the updated ones back. That is the whole training API.
 """
@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 import onnxruntime as ort
+from safetensors.numpy import load_file
 
 
 class ArtifactsLoop:
@@ -27,8 +28,7 @@ class ArtifactsLoop:
     def __init__(self, directory: str):
         load = lambda name: ort.InferenceSession(os.path.join(directory, name), providers=["CPUExecutionProvider"])  # noqa: E731
         self.training, self.eval, self.optimizer = (load(f"{k}_model.onnx") for k in ("training", "eval", "optimizer"))
-        with np.load(os.path.join(directory, "checkpoint.npz"), allow_pickle=False) as checkpoint:
-            self.state = {name: checkpoint[name] for name in checkpoint.files}  # weights, statistics, states, Step
+        self.state = load_file(os.path.join(directory, "checkpoint.safetensors"))  # weights, statistics, states, Step
         self.weights = [i.name for i in self.optimizer.get_inputs() if i.name + "_grad" in
                         {j.name for j in self.optimizer.get_inputs()}]
 

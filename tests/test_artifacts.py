@@ -3,6 +3,7 @@
 import numpy as np
 import onnx
 import pytest
+from safetensors.numpy import load_file
 from onnx import helper
 
 from gradbuilder import InvalidArgumentError
@@ -67,8 +68,8 @@ def test_generate_artifacts_train_on_stock_onnxruntime(tmp_path, optimizer):
 
     paths = generate_artifacts(classifier(), loss="crossentropy", optimizer=optimizer, artifact_directory=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint.npz"])
-    ckpt = dict(np.load(paths["checkpoint.npz"], allow_pickle=False))
+        ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint.safetensors"])
+    ckpt = load_file(paths["checkpoint.safetensors"])
     rng = np.random.default_rng(1)
     feeds = {"x": rng.standard_normal((4, 3)).astype(np.float32), "target": np.array([0, 3, 1, 4], np.int64)}
     lr = np.array(0.1, np.float32)
@@ -94,7 +95,7 @@ def test_artifacts_command(tmp_path):
     out = tmp_path / "artifacts"
     assert main(["artifacts", str(model_path), "--loss", "crossentropy", "--optimizer", "adamw", "-o", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint.npz"])
+        ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint.safetensors"])
     assert main(["artifacts", str(model_path), "--loss", "nope", "-o", str(tmp_path / "bad")]) == 2
 
 
@@ -104,8 +105,7 @@ def test_optimizer_names_are_read_as_training_parameters_reads_them(tmp_path, na
     from gradbuilder.training.stages.optimizer import state_names, resolve
 
     written = generate_artifacts(linear_model(), optimizer=name, artifact_directory=tmp_path)
-    with np.load(written["checkpoint.npz"], allow_pickle=False) as ckpt:
-        states = {f.split(".", 1)[1] for f in ckpt.files if f.startswith("W.")}
+    states = {f.split(".", 1)[1] for f in load_file(written["checkpoint.safetensors"]) if f.startswith("W.")}
     assert states == set(state_names(plain, resolve(plain, {})))
     with pytest.raises(InvalidArgumentError, match="unknown optimizer 'adamz'"):
         generate_artifacts(linear_model(), optimizer="adamz", artifact_directory=tmp_path / "other")

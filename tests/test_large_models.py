@@ -27,6 +27,7 @@ import sys
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 LIMIT = 3.0  # every stage's peak, in the weights' bytes, over the resident size before the model
 SAVE_LIMIT = 0.1  # save_checkpoint adds at most this (it writes from the state's own memory)
@@ -131,9 +132,9 @@ def child(directory: str, gib: float) -> dict:
     for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
         onnx.checker.check_model(os.path.join(art, name))
     checks["artifacts"] = sorted(os.listdir(art))
-    with np.load(os.path.join(art, "checkpoint.npz")) as z:
-        checks["npz"] = sorted(z.files)
-        checks["npz E"] = bool(np.array_equal(z["E"][sample], _rows(table, sample)))
+    with safe_open(os.path.join(art, "checkpoint.safetensors"), "np") as z:
+        checks["checkpoint"] = sorted(z.keys())
+        checks["checkpoint E"] = bool(np.array_equal(z.get_tensor("E")[sample], _rows(table, sample)))
     shutil.rmtree(art)
     return {"peaks": peaks, "checks": checks, "over 2 GB": nbytes > 2**31}
 
@@ -164,9 +165,9 @@ def _the_whole_flow(tmp_path, gib) -> None:
     assert checks["export logits"] < 1e-5, checks
     assert checks["export external"] == got["over 2 GB"], checks
     # the weights are the models' inputs, their values in the checkpoint only: no external data, at any size
-    assert checks["artifacts"] == sorted(["checkpoint.npz", "eval_model.onnx", "optimizer_model.onnx",
+    assert checks["artifacts"] == sorted(["checkpoint.safetensors", "eval_model.onnx", "optimizer_model.onnx",
                                           "training_model.onnx"])
-    assert checks["npz"] == ["E", "Step", "W"] and checks["npz E"], checks
+    assert checks["checkpoint"] == ["E", "Step", "W"] and checks["checkpoint E"], checks
     if got["over 2 GB"]:  # the command line on the same model
         _command_line(tmp_path, str(tmp_path / "embedding.onnx"), os.path.getsize(tmp_path / "E.bin"))
 

@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from safetensors.numpy import load_file
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import GradientGraphBuilder, TrainingParameters
@@ -145,9 +146,9 @@ def test_session_trains_constant_weights_like_torch_sgd(tmp_path):
 def test_artifacts_and_inference_export_take_constant_weights(tmp_path):
     written = generate_artifacts(constant_weights_model(), requires_grad=["W", "B"], optimizer="sgd",
                                  artifact_directory=tmp_path)
-    with np.load(written["checkpoint.npz"], allow_pickle=False) as ckpt:
-        np.testing.assert_array_equal(ckpt["W"], W0)
-        np.testing.assert_array_equal(ckpt["B"], B0)
+    ckpt = load_file(written["checkpoint.safetensors"])
+    np.testing.assert_array_equal(ckpt["W"], W0)
+    np.testing.assert_array_equal(ckpt["B"], B0)
     x, y = batch(4)
     names = [o.name for o in onnx.load(written["training_model.onnx"]).graph.output]
     got = dict(zip(names, ort.InferenceSession(written["training_model.onnx"], providers=CPU).run(

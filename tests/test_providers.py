@@ -354,3 +354,25 @@ def test_cuda_computes_float32_in_float32_unless_tf32_is_allowed(fresh, monkeypa
     assert providers.resolve_providers([(CUDA, {"use_tf32": 0})], allow_tf32=True)[1][0] == {"use_tf32": "0"}
     assert providers.resolve_providers(None) == ([CUDA, CPU], [{"use_tf32": "0"}, {}])
     assert providers.resolve_providers([CPU]) == ([CPU], [{}])
+
+
+def test_two_onnxruntime_builds_installed_side_by_side_are_named_with_the_fix(monkeypatch):
+    """`pip install onnxruntime-gpu` beside the default `onnxruntime` leaves one module written
+    by two packages: a warning names both and the command that keeps one."""
+    import importlib.metadata
+
+    installed = {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.warns(UserWarning, match=r"onnxruntime 1\.32\.0 and onnxruntime-gpu 1\.31\.1 are installed.*"
+                                         r"pip uninstall -y onnxruntime onnxruntime-gpu && pip install"):
+        discovery.check_one_build.__wrapped__()
+    del installed["onnxruntime"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        discovery.check_one_build.__wrapped__()  # one build: nothing to say

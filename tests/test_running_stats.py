@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from safetensors.numpy import load_file
 
 from gradbuilder import TrainingParameters
 from gradbuilder.training.artifacts import generate_artifacts
@@ -231,13 +232,13 @@ def test_artifacts_training_model_updates_buffers_and_eval_model_is_inference(tm
     assert not any(n.startswith(tuple(BUFFERS)) and n.endswith("_grad") for n in names)
     eval_model = onnx.load(written["eval_model.onnx"])
     assert all(not any(a.name == "training_mode" and a.i for a in n.attribute) for n in eval_model.graph.node)
-    with np.load(written["checkpoint.npz"], allow_pickle=False) as ckpt:
-        assert set(BUFFERS) <= set(ckpt.files)
-        assert not any(f.startswith(tuple(b + "." for b in BUFFERS)) for f in ckpt.files)
+    ckpt = load_file(written["checkpoint.safetensors"])
+    assert set(BUFFERS) <= set(ckpt)
+    assert not any(f.startswith(tuple(b + "." for b in BUFFERS)) for f in ckpt)
     # one training run with the checkpoint's values: the new statistics are torch's
     x, y = batch_at(0)
-    with np.load(written["checkpoint.npz"], allow_pickle=False) as ckpt:
-        feeds = {n: ckpt[n] for n in ckpt.files if n in {i.name for i in training.graph.input}}
+    feeds = {n: v for n, v in load_file(written["checkpoint.safetensors"]).items()
+             if n in {i.name for i in training.graph.input}}
     out = dict(zip(names, ort.InferenceSession(written["training_model.onnx"], providers=CPU).run(
         None, {**feeds, "x": x, "y": y})))
     module = new_cnn()

@@ -14,7 +14,7 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
-from .. import compat, files
+from .. import compat, files, tensorfiles
 from ..compiler import modelio
 from ..errors import InvalidArgumentError
 from ..compiler.passes.cleanup import remove_unused_nodes
@@ -120,9 +120,9 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     - ``eval_model.onnx``: forward + loss, in inference mode (running statistics, no dropout).
     - ``optimizer_model.onnx``: inputs ``Learning_Rate``, ``Step``, every ``W``, ``W_grad`` and
       optimizer state ``W.<state>``; outputs ``W.updated``, ``W.<state>.updated``, ``Step.updated``.
-    - ``checkpoint.npz``: the weights, the running statistics, the initial optimizer states and
-      ``Step`` (numpy's npz,
-      read with ``numpy.load(path, allow_pickle=False)``: no pickled objects).
+    - ``checkpoint.safetensors``: the weights, the running statistics, the initial optimizer
+      states and ``Step`` (safetensors: ``safetensors.numpy.load_file`` in Python, a JSON header
+      and raw little-endian tensors anywhere else).
 
     ``loss`` appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to the output
     ``loss_output`` (default: the model's first output), reading a new input ``target_name``;
@@ -141,7 +141,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
 
     optimizer = _plain_optimizer(optimizer)
     names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
-                                          "checkpoint.npz")}
+                                          "checkpoint.safetensors")}
     directory = _check_artifact_paths(artifact_directory, names, model)
     proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, read once
     check_inference_export(proto, allow_inference_export)
@@ -169,12 +169,11 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in [*weights, *buffers]}
     optimizer_model = optimizer_only_model({w: values[w] for w in weights}, optimizer, options)
 
-    def checkpoint():  # one array at a time: the optimizer states are made as they are written
-        yield STEP, np.array(0, np.int64)
-        yield from ((b, values[b]) for b in buffers)
-        for w in weights:
-            yield w, values[w]
-            yield from ((state_of(w, s), v) for s, v in initial_states(optimizer, options, values[w]))
+    checkpoint = {STEP: np.array(0, np.int64), **{b: values[b] for b in buffers}}
+    for w in weights:  # an optimizer state is a broadcast fill, made whole only as it is written
+        checkpoint[w] = values[w]
+        checkpoint.update((state_of(w, s), np.broadcast_to(fill, np.shape(values[w])))
+                          for s, fill in initial_states(optimizer, options, np.zeros((), values[w].dtype)))
 
     parameters = [*weights, *buffers]
     models = {"training_model.onnx": _fed(training._built(), parameters),
@@ -187,7 +186,8 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
         tmp = dict(zip(keys, temps))
         for key, m in models.items():
             m.write(tmp[key], tmp.get(data.get(key)), data.get(key))
-        _write_npz(tmp["checkpoint.npz"], checkpoint())
+        with open(tmp["checkpoint.safetensors"], "wb") as f:
+            tensorfiles.write(f, checkpoint)
     return {key: str(directory / name) for key, name in names.items()}
 
 
@@ -200,17 +200,6 @@ def _fed(model: modelio.DetachedModel, parameters: Sequence[str]) -> modelio.Det
     skeleton.CopyFrom(model.skeleton)
     modelio.weights_as_inputs(skeleton, parameters)
     return modelio.DetachedModel(skeleton, model.weights)
-
-
-def _write_npz(path, arrays) -> None:
-    """numpy's npz (what ``numpy.savez`` writes: a zip of ``<name>.npy`` members, ZIP64 where
-    large) from (name, array) pairs, written one array at a time."""
-    import zipfile
-
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, array in arrays:
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
 def _check_artifact_paths(artifact_directory, names: dict[str, str], model=None):
@@ -238,7 +227,7 @@ def _check_weights(proto: onnx.ModelProto, weights: Sequence[str], buffers: Sequ
         if w in inputs:
             raise InvalidArgumentError(
                 f"requires_grad: '{w}' is a graph input without an initializer; generate_artifacts writes each "
-                "weight's initial value into checkpoint.npz, so give it one as an initializer, or leave it out")
+                "weight's initial value into checkpoint.safetensors, so give it one as an initializer, or leave it out")
         if w in values:
             raise InvalidArgumentError(f"requires_grad: '{w}' is computed by a node of the model; weights must be "
                                        "initializers or float Constant outputs")

@@ -9,6 +9,8 @@ session, with its default options (CUDA's TF32 setting, a plugin's registered op
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import os
 import sys
 import warnings
@@ -131,8 +133,29 @@ def _probe(name: str) -> bool:
             return False
 
 
+# onnxruntime's builds on PyPI: each installs the same ``onnxruntime`` module
+BUILDS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn")
+
+
+@functools.cache
+def check_one_build() -> None:
+    """Warn (once) where two onnxruntime builds are installed: they write the same module's
+    files over each other, so which providers load is down to the install order."""
+    found = []
+    for build in BUILDS:
+        try:
+            found.append(f"{build} {importlib.metadata.version(build)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if len(found) > 1:
+        names = " ".join(f.split()[0] for f in found)
+        warnings.warn(f"{' and '.join(found)} are installed; they hold the same module and overwrite each other's "
+                      f"files, so keep one: pip uninstall -y {names} && pip install <the one you want>", stacklevel=3)
+
+
 def _candidates() -> list[str]:
     """Non-CPU providers worth probing, in onnxruntime's priority order, plugins after."""
+    check_one_build()
     names = [n for n in ort.get_available_providers() if n != CPU]
     names.extend(n for n in plugin_ep_names() if n not in names and n != CPU)
     return names
