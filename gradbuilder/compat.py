@@ -29,6 +29,7 @@ __all__ = [
     "check_for_runtime",
     "check_opset",
     "fit_ir_version",
+    "stamp_lowest_ir_version",
     "needed_ir_version",
     "runtime_limits",
     "warn",
@@ -113,6 +114,13 @@ def needed_ir_version(proto: onnx.ModelProto) -> tuple[int, str]:
     if len(getattr(proto, "configuration", ())) and needed < 11:
         needed, what = 11, "device configurations (ModelProto.configuration)"
     return needed, what
+
+
+def stamp_lowest_ir_version(proto: onnx.ModelProto) -> None:
+    """Stamp ``proto`` (in place) with the lowest IR version that holds its opsets and types, so
+    that older runtimes (onnxruntime-node, -web, mobile builds) load it too."""
+    by_opset = onnx.helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
+    proto.ir_version = max(by_opset, needed_ir_version(proto)[0])
 
 
 def fit_ir_version(proto: onnx.ModelProto, strict: bool = False, quiet: bool = False) -> None:

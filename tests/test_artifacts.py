@@ -155,3 +155,15 @@ def test_the_artifacts_loop_trains_and_evaluates_as_a_training_session_does(tmp_
                          ("session", [session.eval_step(b["x"], b["target"])[0] for b in batches[:16]])):
         accuracy[name] = float(np.mean(np.argmax(np.concatenate(logits), axis=1) == y))
     assert accuracy["loop"] == accuracy["session"] >= untrained + 0.3, (accuracy, untrained)
+
+
+def test_artifacts_carry_the_lowest_ir_version_that_holds_them(tmp_path):
+    """A model made with the newest onnx (its IR version past what onnxruntime-node or an older
+    onnxruntime reads) gives artifacts stamped with the lowest IR version their opsets and
+    types need: for opset 17 and float32, IR 8."""
+    model = classifier()
+    model.ir_version = onnx.IR_VERSION
+    written = generate_artifacts(model, loss="crossentropy", artifact_directory=tmp_path)
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        assert onnx.load(written[name]).ir_version == 8, name
+    assert model.ir_version == onnx.IR_VERSION  # the caller's model is left as it was

@@ -179,6 +179,8 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     models = {"training_model.onnx": _fed(training._built(), parameters),
               "eval_model.onnx": _fed(modelio.DetachedModel(inference_form(proto), large), parameters),
               "optimizer_model.onnx": modelio.DetachedModel(optimizer_model, {})}
+    for m in models.values():  # loadable by older runtimes too (onnxruntime-node, -web, mobile)
+        compat.stamp_lowest_ir_version(m.skeleton)
     data = {key: names[key] + ".data" for key, m in models.items() if m.uses_external_data()}  # over 2 GB
     keys = list(data.values()) + list(names)
     with files.output_directory(directory, what="artifact directory"), \

@@ -100,7 +100,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     pairs = state_interface(training)
     keep = [o.name for o in proto.graph.output if o.name != loss_name] or [loss_name]
     for m in (training, evaluation):
-        _lowest_ir(m)
+        compat.stamp_lowest_ir_version(m)
 
     manifest = {
         "format": FORMAT,
@@ -130,12 +130,6 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     return {n: str(directory / n) for n in NAMES}
 
 
-def _lowest_ir(proto: onnx.ModelProto) -> None:
-    """Stamp the lowest IR version that holds ``proto``'s opsets and types."""
-    by_opset = onnx.helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
-    proto.ir_version = max(by_opset, compat.needed_ir_version(proto)[0])
-
-
 def _spec(value) -> dict:
     a = np.asarray(value)
     if a.dtype.name not in JS_DTYPES:
@@ -163,7 +157,7 @@ def _inference(source: modelio.DetachedModel, keep: list[str], model_path, data_
     detached = inference_model(source, keep)
     detached.check()
     model = detached.skeleton
-    _lowest_ir(model)
+    compat.stamp_lowest_ir_version(model)
     data_name = "inference_model.onnx.data"
     tensors, offset = [], 0
     with open(data_path, "wb") as data:
