@@ -93,7 +93,7 @@ SAVES = {
         ["chunks"]),
     "generate_artifacts": (
         lambda t, v, fx: generate_artifacts(linear_model(), optimizer="adamw" if v else "sgd", artifact_directory=t),
-        ["chunks", "numpy.lib.format.write_array"]),
+        ["chunks", "gradbuilder.tensorfiles.bytes_of"]),
     "TrainingSession.save_checkpoint": (
         lambda t, v, fx: (fx["trained"].set_learning_rate(0.1 * (v + 1)), fx["trained"].save_checkpoint(t / "s.ckpt")),
         ["gradbuilder.runtime.checkpoint._host_bytes"]),

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from gradbuilder import GradientGraphBuilder
+from gradbuilder import GradientGraphBuilder, tensorfiles
 from gradbuilder.runtime import checkpoint
 from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.errors import CheckpointError, GradBuilderError, ModelLoadError, OutputError
@@ -108,7 +108,7 @@ def test_artifacts_into_new_directories_and_failure_removes_them(tmp_path, monke
         raise OSError(28, "No space left on device")
 
     before = tree(tmp_path)
-    monkeypatch.setattr(np.lib.format, "write_array", fail)
+    monkeypatch.setattr(tensorfiles, "bytes_of", fail)  # the checkpoint's tensors
     with pytest.raises(OutputError, match=r"could not write artifacts in '.*/c/d': .*No space left"):
         generate_artifacts(linear_model(), artifact_directory=tmp_path / "c" / "d")
     assert tree(tmp_path) == before  # the directories it created are gone again
