@@ -656,3 +656,70 @@ def test_an_export_needing_sizes_as_numbers_holds_per_input_shape(module, inputs
         torch.testing.assert_close(p_om, p_ref)
     assert om.exports == 3  # one per shape
     assert any("symbolic sizes failed" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- writes into slices, grouped-query attention
+class SliceWrites(torch.nn.Module):
+    """Two writes into slices of a new tensor (DeepSeek-V3's key states are built so)."""
+
+    def __init__(self, new):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 8)
+        self.new = new
+
+    def forward(self, x):
+        y = self.lin(x)
+        a, b = y.split([4, 4], -1)
+        out = y.new_empty(*y.shape[:-1], 8) if self.new == "new_empty" else torch.zeros(*y.shape[:-1], 8)
+        out[..., :4].copy_(a)
+        out[..., 4:].copy_(b * 2)
+        return (out * out).sum()
+
+
+@pytest.mark.parametrize("new", ["new_empty", "zeros"])
+def test_writes_into_slices_of_a_new_tensor_keep_both(new):
+    """Both writes reach the graph (one used to be dropped: a silently wrong loss), and the
+    gradient goes through each to its source."""
+    ref, om = _pair(SliceWrites(new))
+    for rows in (3, 5):
+        x = torch.randn(rows, 4)
+        want, got = ref(x), om(x)
+        torch.testing.assert_close(got, want)
+        want.backward()
+        got.backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+
+
+class GroupedQueryAttention(torch.nn.Module):
+    def __init__(self, masked, causal):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.kv = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)  # 4 query heads, 2 key/value heads of 2
+        self.masked, self.causal = masked, causal
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 2).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 4).transpose(1, 2).split(2, dim=-1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask if self.masked else None, is_causal=self.causal, scale=0.3, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, s, 8)
+
+
+@pytest.mark.parametrize("masked,causal", [(False, True), (False, False), (True, False)])
+def test_grouped_query_scaled_dot_product_attention(masked, causal):
+    """``enable_gqa=True`` (which torch's TorchScript exporter refuses) gives PyTorch's values
+    and gradients: each key and value head serves its group of query heads."""
+    ref, om = _pair(GroupedQueryAttention(masked, causal))
+    for s in (5, 3):
+        x = torch.randn(2, s, 8)
+        mask = torch.rand(2, 1, s, s) > 0.3
+        mask[..., 0] = True
+        want, got = ref(x, mask), om(x, mask)
+        torch.testing.assert_close(got, want)
+        want.square().sum().backward()
+        got.square().sum().backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)

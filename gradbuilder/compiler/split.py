@@ -192,8 +192,8 @@ def _copy_views_into_backward(graph: ir.Graph, forward_ids: set[int], saved: dic
         if node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
             continue
         readers = [(user, i) for user, i in v.uses() if id(user) not in forward_ids]
-        if not readers:
-            continue
+        if not readers or any(id(user) not in position for user, _ in readers):
+            continue  # none, or one inside a subgraph (If, Loop, Scan): the value stays saved
         first = min((user for user, _ in readers), key=lambda user: position[id(user)])
         copy = ir.Node(node.domain, node.op_type, list(node.inputs), attributes=list(node.attributes.values()),
                        name=unique(f"{node.name or node.op_type}_in_backward"), version=node.version)

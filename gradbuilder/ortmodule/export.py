@@ -50,6 +50,7 @@ from ..errors import ExportError
 from ..compiler.modelio import to_ir
 from ..compiler.passes.running_stats import expose_running_statistics
 from ..compiler.pipeline import Context
+from .conversions import converting
 from .options import logger
 
 OPSET = 17
@@ -252,7 +253,7 @@ def _trace(module, leaves, spec, verbose: bool, watch: _Watch | None = None, ops
     quiet = contextlib.nullcontext() if verbose else unittest.mock.patch.object(torch._C, "_jit_onnx_log",
                                                                                lambda *args: None)
     with _TRACING, warnings.catch_warnings(record=True) as caught, _untouched(module), _watching(watch), \
-            _breaking_at_functions(watch, ops), quiet:
+            _breaking_at_functions(watch, ops), converting(module), quiet:
         warnings.simplefilter("always")
         try:
             torch.onnx.export(
@@ -730,7 +731,9 @@ class _StopGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, where):
-        return x.view_as(x)
+        # a copy, not a view: code may write into the result in place with grad on
+        # (``new_empty`` then ``copy_`` of slices), which autograd forbids on a Function's view
+        return x.clone()
 
     @staticmethod
     def symbolic(g, x, where):
@@ -766,15 +769,23 @@ class _GradientStops(TorchFunctionMode):
         self.watch = watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Every call runs from this one line. The tracer records each node with the Python
+        # stack that ran it, and torch's ONNX exporter resolves in-place writes into views
+        # (``out[..., :4].copy_(a)``, then ``out[..., 4:].copy_(b)``) wrongly when the nodes
+        # involved were recorded from different lines here: it drops one of the writes.
+        func, args, kwargs, finish = self._around(func, args, kwargs or {})
+        return finish(func(*args, **kwargs))
+
+    def _around(self, func, args, kwargs):
+        """What to call, with which arguments, and what to do with its result."""
         if torch._C._get_tracing_state() is None or self.watch.inside:
-            return func(*args, **kwargs)
+            return func, args, kwargs, _as_it_is
         data = func == _DATA
         if data:
             func = torch.Tensor.detach
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not any(t.requires_grad for t in inputs):
-            return func(*args, **kwargs)
+            return func, args, kwargs, _as_it_is
         what = "Tensor.data" if data else _call_name(func)
         grad = torch.is_grad_enabled()
         where = None
@@ -793,29 +804,35 @@ class _GradientStops(TorchFunctionMode):
         if changed and not grad:
             if any(t.requires_grad for t in changed):
                 self.watch.in_place.append(f"{_where(sys._getframe(1))} ({what} of a tensor that requires grad)")
-                return func(*args, **kwargs)
+                return func, args, kwargs, _as_it_is
             if any(t._base is not None for t in changed):
                 # the exporter drops a write into a view taken before its source is computed
                 self.watch.in_place.append(f"{_where(sys._getframe(1))} ({what} of a view, from a tensor that "
                                            "requires grad)")
-                return func(*args, **kwargs)
+                return func, args, kwargs, _as_it_is
             # what it writes comes from marks of the tensors that require grad
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: mark(t.detach()) if t.requires_grad else t, (args, kwargs))
-            return func(*args, **kwargs)
-        result = func(*args, **kwargs)
-        if func in _WITH_INDICES:
-            result = _at_indices(args, kwargs, result)
-        for t in changed:  # detach_()
-            if cut(t):
-                torch._C._set_value_trace(t, torch._C._get_value_trace(mark(t)))
+            return func, args, kwargs, _as_it_is
 
         def new_cut(t):
             return cut(t) and not any(t is i for i in inputs)
 
-        if not any(new_cut(t) for t in pytree.tree_leaves(result)):
-            return result  # as it is (a torch.Size stays one)
-        return pytree.tree_map_only(torch.Tensor, lambda t: mark(t) if new_cut(t) else t, result)
+        def finish(result):
+            if func in _WITH_INDICES:
+                result = _at_indices(args, kwargs, result)
+            for t in changed:  # detach_()
+                if cut(t):
+                    torch._C._set_value_trace(t, torch._C._get_value_trace(mark(t)))
+            if not any(new_cut(t) for t in pytree.tree_leaves(result)):
+                return result  # as it is (a torch.Size stays one)
+            return pytree.tree_map_only(torch.Tensor, lambda t: mark(t) if new_cut(t) else t, result)
+
+        return func, args, kwargs, finish
+
+
+def _as_it_is(result):
+    return result
 
 
 def _call_name(func) -> str:

@@ -1,0 +1,104 @@
+"""ORTModule trains today's decoder LLMs as PyTorch does: every causal-LM architecture of
+``tests/llm_models.py`` (dense, grouped-query, mixture-of-experts, multi-head latent attention),
+with transformers' default attention (``sdpa``, which asks for grouped-query attention when no
+mask is given) and its eager one, without a mask and right-padded: the losses of several AdamW
+steps to 1e-5 relative, the first step's gradients to 1e-4 of the largest."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+
+from gradbuilder.ortmodule import ORTModule
+
+from .llm_models import ARCHITECTURES, MOE_ARCHITECTURES, batch, causal_lm
+
+pytest.importorskip("transformers", minversion="5.0")
+
+STEPS = 3
+CASES = [(a, attn, padded) for a in ARCHITECTURES for attn in (None, "eager") for padded in (False, True)]
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
+def train_both(model: torch.nn.Module, data: dict, steps: int = STEPS, **options):
+    """The plain model and its ORTModule, each trained ``steps`` AdamW steps on ``data``: their
+    losses, and their gradients of the first step."""
+    plain, wrapped = copy.deepcopy(model).train(), ORTModule(copy.deepcopy(model).train(), **options)
+    results = []
+    for module in (plain, wrapped):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        losses, first = [], None
+        for step in range(steps):
+            torch.manual_seed(100 + step)
+            with _quiet():
+                loss = module(**data).loss
+            loss.backward()
+            losses.append(loss.item())
+            first = first if first is not None else [g.clone() for g in _grads(module)]
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append((losses, first))
+    return results
+
+
+def assert_trains_as_pytorch(model, data, **options):
+    (want, want_grads), (got, got_grads) = train_both(model, data, **options)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    largest = max(g.abs().max().item() for g in want_grads)
+    worst = max((a - b).abs().max().item() for a, b in zip(got_grads, want_grads))
+    assert worst <= 1e-4 * largest, f"gradients differ by {worst:.2e} (largest {largest:.2e})"
+    assert want[0] != want[-1]  # it trained
+
+
+@pytest.mark.parametrize("architecture,attn,padded", CASES,
+                         ids=[f"{a}-{attn or 'sdpa'}-{'padded' if p else 'no-mask'}" for a, attn, p in CASES])
+def test_a_causal_lm_trains_as_in_pytorch(architecture, attn, padded):
+    with _quiet():
+        model = causal_lm(architecture, attn)
+    assert_trains_as_pytorch(model, batch(padded))
+
+
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_expert_routing_stays_in_one_graph_for_any_batch(architecture):
+    """The experts run in the graph for every batch: one export serves batches whose tokens
+    pick other experts (another size, other ids), with PyTorch's losses; the user's choice of
+    experts implementation is put back after the export."""
+    with _quiet():
+        model = causal_lm(architecture)
+    before = model.config._experts_implementation
+    plain, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    for seed, size in ((1, 2), (2, 3), (3, 1)):
+        data = batch(False, size=size, length=6 + seed, seed=seed)
+        with _quiet():
+            torch.testing.assert_close(wrapped(**data).loss, plain(**data).loss, rtol=1e-5, atol=0)
+    (compiled,) = wrapped._compiled.values()  # one export, not one per batch size (a dict of them)
+    assert not isinstance(compiled, (dict, str)), compiled
+    assert model.config._experts_implementation == before
+    assert wrapped.module.config._experts_implementation == before
+
+
+def test_a_moe_model_with_graph_breaks_trains_as_in_pytorch(monkeypatch):
+    """``graph_breaks=True`` on a mixture-of-experts model whose experts run transformers'
+    grouped implementation (``histc``, a loop per expert): the operations the exporter lacks run
+    in PyTorch between graphs, and the backward split takes the views read inside a subgraph
+    (it used to fail with a KeyError there)."""
+    from gradbuilder.ortmodule import conversions
+
+    monkeypatch.setattr(conversions, "_experts_in_one_graph", lambda module: contextlib.nullcontext())
+    with _quiet():
+        model = causal_lm("qwen2_moe", "eager")
+    assert_trains_as_pytorch(model, batch(False), steps=2, graph_breaks=True)
