@@ -6,6 +6,7 @@ transformer of ``bench_train.py``, side by side in one process.
     python tools/bench_ortmodule.py --device cuda
     python tools/bench_ortmodule.py --steps 3 --warmup 1 --seq 64       # a quick smoke run
     python tools/bench_ortmodule.py --breaks 2          # the cost of graph breaks (see below)
+    python tools/bench_ortmodule.py --model qwen3 --seq 64   # a current LLM (or --model mixtral)
 
 The model is ``benchmodels.EncoderClassifier`` (Embedding(8000, 256) + learned positions
 [seq, 256] + 4 x TransformerEncoderLayer(256, 4 heads, ff 1024, dropout 0, batch_first) + mean
@@ -16,7 +17,16 @@ trains its own deep copy, so both start from the same weights:
 - ``ortmodule``:  ``ORTModule(module, session_options=...)``: forward and backward in
                   onnxruntime, with ``intra_op_num_threads = --threads``.
 
-One training step, the same for both: ``zero_grad(set_to_none=True)``, ``logits =
+``--model qwen3`` and ``--model mixtral`` train a current decoder LLM instead, transformers' own
+class from a config sized for a CPU (random weights, ``torch.manual_seed(0)``): vocab 8000,
+hidden 256, 4 layers, 8 query heads sharing 2 key/value heads of 32 (grouped-query attention),
+RMSNorm, rotary positions, SwiGLU; Qwen3's MLP 768 wide and its query/key norms, Mixtral's 4
+experts of 384 with 2 chosen per token (the routing in the graph). Its loss is the model's own
+causal-LM loss, ``model(input_ids=tokens, labels=tokens).loss``, default (``sdpa``) attention.
+``graph nodes`` then counts the nodes of the forward and backward graphs the ORTModule hands
+onnxruntime (Constants left out), before onnxruntime's own optimizations.
+
+One training step, the same for both (the encoder's; an LLM's loss as above): ``zero_grad(set_to_none=True)``, ``logits =
 model(tokens)``, ``loss = cross_entropy(logits, labels)`` in PyTorch (outside the ORTModule),
 ``loss.backward()``, ``torch.optim.AdamW(lr=1e-3).step()``. Every step has a batch of its own
 (int64 tokens [batch, seq], labels [batch], from a fixed seed); step i of both contenders uses
@@ -61,6 +71,7 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
+import benchlib
 import benchmodels as bt  # the model and helpers bench_train uses too
 from gradbuilder.ortmodule import ORTModule
 
@@ -76,8 +87,9 @@ class Trainer:
     """One contender for ``benchmodels.timed_steps``: step() trains on the next batch and returns
     the loss tensor; the first forward call is timed on its own."""
 
-    def __init__(self, model: torch.nn.Module, batches, device: str):
+    def __init__(self, model: torch.nn.Module, batches, device: str, lm: bool = False):
         self.model = model.train()
+        self.lm = lm
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=bt.LR)
         self.batches = batches
         self.device = device
@@ -87,15 +99,18 @@ class Trainer:
     def step(self):
         x, y = self.batches[self.calls % len(self.batches)]
         self.opt.zero_grad(set_to_none=True)
+        def forward():
+            return self.model(input_ids=x, labels=x).loss if self.lm else self.model(x)
+
         if self.calls == 0:
             bt.sync(self.device)
             t0 = time.perf_counter()
-            logits = self.model(x)
+            out = forward()
             bt.sync(self.device)
             self.first_call_s = time.perf_counter() - t0
         else:
-            logits = self.model(x)
-        loss = F.cross_entropy(logits, y)
+            out = forward()
+        loss = out if self.lm else F.cross_entropy(out, y)
         loss.backward()
         self.opt.step()
         self.calls += 1
@@ -118,9 +133,36 @@ class Passthrough(torch.autograd.Function):
         return g
 
 
+LLMS = {  # transformers config class, what differs from LLM_COMMON
+    "qwen3": ("Qwen3Config", {"intermediate_size": 768}),
+    "mixtral": ("MixtralConfig", {"intermediate_size": 384, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+LLM_COMMON = dict(vocab_size=8000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=32, tie_word_embeddings=False, attention_dropout=0.0)
+
+
+def llm(name: str, seq: int) -> torch.nn.Module:
+    """transformers' causal LM ``name`` from the config above, random weights from seed 0."""
+    import transformers
+
+    config_class, extra = LLMS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**LLM_COMMON, **extra, max_position_embeddings=max(seq, 128))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def graph_nodes(model: ORTModule) -> int:
+    """Nodes (Constants left out) of the forward and backward graphs of ``model``'s one export."""
+    (compiled,) = model._compiled.values()
+    if isinstance(compiled, dict):  # an export that holds for the traced sizes only: one per batch shape
+        compiled = next(iter(compiled.values()))
+    return sum(sum(n.op_type != "Constant" for n in g.graph.node)
+               for g in (compiled.split.forward, compiled.split.backward))
+
+
 def with_breaks(module: torch.nn.Module, n: int) -> torch.nn.Module:
     """``module`` with ``Passthrough`` applied to the output of its first ``n`` encoder layers."""
-    for layer in list(module.enc.layers)[:n]:
+    for layer in list(module.enc.layers)[:n] if n else []:
         layer.register_forward_hook(lambda mod, args, out: Passthrough.apply(out))
     return module
 
@@ -142,12 +184,16 @@ def parse_args(argv=None):
                          "at most --steps)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     ap.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    ap.add_argument("--model", choices=("encoder", *LLMS), default="encoder",
+                    help="the encoder classifier (default) or a current decoder LLM")
     ap.add_argument("--breaks", type=int, default=0,
                     help="graph breaks: a pass-through Function after each of the first N encoder layers (0-4)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--warmup, --steps, --rounds and --threads must be >= 1")
+    if args.breaks and args.model != "encoder":
+        ap.error("--breaks applies to --model encoder")
     if not 0 <= args.breaks <= 4:
         ap.error("--breaks must be between 0 and 4 (the encoder's layers)")
     args.rounds = min(args.rounds, args.steps)
@@ -159,16 +205,20 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, onnxruntime {ort.__version__}, device {args.device}, threads {args.threads}")
-    print(f"transformer (vocab 8000, d 256, 4 layers, 4 heads, ff 1024) seq {args.seq}, batch {args.batch}; "
+    lm = args.model != "encoder"
+    shape = (f"{args.model} (vocab 8000, hidden 256, 4 layers, 8 heads / 2 key-value heads)" if lm else
+             "transformer (vocab 8000, d 256, 4 layers, 4 heads, ff 1024)")
+    print(f"{shape} seq {args.seq}, batch {args.batch}; "
           f"AdamW lr {bt.LR:g}; median of {args.steps} steps in {args.rounds} rounds after {args.warmup} warm-up")
+    print(f"CPU pressure before: {benchlib.pressure_line()}")
 
     torch.manual_seed(0)
-    module = bt.EncoderClassifier(seq=args.seq).to(args.device)
+    module = (llm(args.model, args.seq) if lm else bt.EncoderClassifier(seq=args.seq)).to(args.device)
     batches = make_batches(args.warmup + args.steps, args.batch, args.seq, args.device)
     contenders = {
-        "pytorch": Trainer(with_breaks(copy.deepcopy(module), args.breaks), batches, args.device),
+        "pytorch": Trainer(with_breaks(copy.deepcopy(module), args.breaks), batches, args.device, lm),
         "ortmodule": Trainer(ORTModule(with_breaks(copy.deepcopy(module), args.breaks),
-                                       session_options=bt.session_options(args.threads)), batches, args.device),
+                                       session_options=bt.session_options(args.threads)), batches, args.device, lm),
     }
     if args.breaks:
         print(f"graph breaks: a pass-through Function after each of the first {args.breaks} encoder layers")
@@ -176,8 +226,11 @@ def main(argv=None) -> dict:
                                                           session_options=bt.session_options(args.threads)),
                                                 batches, args.device)
     times, losses, _ = bt.run_interleaved(contenders, args)
+    print(f"CPU pressure after: {benchlib.pressure_line()}")
     reference = (bt.float64_losses(module, batches, lambda model, b: F.cross_entropy(model(b[0]), b[1]))
-                 if args.device == "cpu" else None)
+                 if args.device == "cpu" and not lm else None)
+    nodes = graph_nodes(contenders["ortmodule"].model)
+    print(f"graph nodes (forward + backward, as handed to onnxruntime): {nodes}")
     del module
 
     pt_ms, ort_ms = bt.median_ms(times["pytorch"], args.warmup), bt.median_ms(times["ortmodule"], args.warmup)
@@ -206,12 +259,12 @@ def main(argv=None) -> dict:
                   f"({ort64:.2e} > {bt.LOSS_SLACK:g} x {pt64:.2e} + {bt.LOSS_TOLERANCE:g}) !!!!!")
 
     results = {"pytorch_ms": pt_ms, "ortmodule_ms": ort_ms, "ratio": ort_ms / pt_ms, "ortmodule_plain_ms": plain_ms,
-               "ortmodule_first_call_s": first_call_s, "ortmodule_first_step_s": times["ortmodule"][0],
+               "graph_nodes": nodes, "ortmodule_first_call_s": first_call_s, "ortmodule_first_step_s": times["ortmodule"][0],
                "pytorch_first_call_s": pt_first_s, "loss_max_rel_diff": rel, "loss_max_rel_diff_step": rel_step,
                "losses": losses, "times_s": times}
     if args.json:
-        settings = {k: getattr(args, k) for k in ("device", "threads", "steps", "warmup", "rounds", "seq", "batch",
-                                                  "breaks")}
+        settings = {k: getattr(args, k) for k in ("model", "device", "threads", "steps", "warmup", "rounds", "seq",
+                                                  "batch", "breaks")}
         settings.update(torch=torch.__version__, onnxruntime=ort.__version__)
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "results": results}, f, indent=1)
