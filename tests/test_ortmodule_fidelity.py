@@ -723,3 +723,57 @@ def test_grouped_query_scaled_dot_product_attention(masked, causal):
         got.square().sum().backward()
     for name, g in _grads(ref).items():
         torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+
+
+class IndexAdd(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.dim = dim
+
+    def forward(self, x, index):
+        y = self.lin(x)
+        if self.dim == 1:
+            return torch.zeros(4, 3).index_add(1, index, y.t(), alpha=0.5).square().sum()
+        out = torch.zeros(3, 4)
+        out.index_add_(0, index, y)
+        return out.square().sum()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_index_add_with_repeated_indices_adds_every_row(dim):
+    """torch's exporter writes index_add as a scatter where the last of repeated indices wins
+    (a wrong loss, with only a warning); every row is added here, as in PyTorch."""
+    ref, om = _pair(IndexAdd(dim))
+    for index in (torch.tensor([0, 2, 0, 0, 1]), torch.tensor([1, 1, 1])):
+        x = torch.randn(len(index), 4)
+        want, got = ref(x, index), om(x, index)
+        torch.testing.assert_close(got, want)
+        want.backward()
+        got.backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+
+
+class EveryRowOfAParameter(torch.nn.Module):
+    """A stacked parameter read one row at a time (experts' weights): its gradient is the rows'
+    gradients side by side (a Concat in place of a Sum of padded rows)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(3, 4, 4))
+
+    def forward(self, x):
+        return sum(torch.nn.functional.linear(x, self.w[e]).square().sum() for e in range(3))
+
+
+def test_a_parameter_read_row_by_row_takes_its_whole_gradient():
+    """The backward graph's gradient output is the Concat that replaced the Sum (it used to name
+    the removed Sum's output: the backward graph failed onnx.checker)."""
+    ref, om = _pair(EveryRowOfAParameter())
+    x = torch.randn(5, 4)
+    ref(x).backward()
+    om(x).backward()
+    torch.testing.assert_close(om.module.w.grad, ref.w.grad)

@@ -102,3 +102,49 @@ def test_a_moe_model_with_graph_breaks_trains_as_in_pytorch(monkeypatch):
     with _quiet():
         model = causal_lm("qwen2_moe", "eager")
     assert_trains_as_pytorch(model, batch(False), steps=2, graph_breaks=True)
+
+
+@pytest.mark.parametrize("has_gate,has_bias,is_transposed", [(True, False, False), (True, True, True),
+                                                              (False, True, False), (False, False, True)])
+def test_the_per_expert_conversion_computes_what_transformers_experts_do(has_gate, has_bias, is_transposed):
+    """``conversions.per_expert`` against transformers' ``batched_mm`` on each weight layout
+    transformers' experts layers take: values and gradients (PyTorch only)."""
+    import transformers
+    from transformers.integrations.moe import batched_mm_experts_forward, use_experts_implementation
+
+    from gradbuilder.ortmodule.conversions import per_expert
+
+    experts, hidden, inner = 4, 6, 5
+
+    class Experts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = experts
+            up = 2 * inner if has_gate else inner
+            shape = (lambda o, i: (experts, i, o)) if is_transposed else (lambda o, i: (experts, o, i))
+            first = "gate_up_proj" if has_gate else "up_proj"
+            setattr(self, first, torch.nn.Parameter(torch.randn(*shape(up, hidden))))
+            self.down_proj = torch.nn.Parameter(torch.randn(*shape(hidden, inner)))
+            if has_bias:
+                setattr(self, f"{first}_bias", torch.nn.Parameter(torch.randn(experts, up)))
+                self.down_proj_bias = torch.nn.Parameter(torch.randn(experts, hidden))
+            self.act_fn = torch.nn.SiLU()
+
+    Experts = use_experts_implementation(Experts, has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed)
+    torch.manual_seed(0)
+    layer = Experts(transformers.PretrainedConfig())
+    x = torch.randn(7, hidden, requires_grad=True)
+    routing = torch.randn(7, experts).softmax(-1).topk(2, dim=-1)
+    results = []
+    for forward in (batched_mm_experts_forward, per_expert):
+        layer.zero_grad()
+        x.grad = None
+        out = forward(layer, x, routing.indices, routing.values)
+        out.square().sum().backward()
+        results.append((out, x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+    (want, want_x, want_p), (got, got_x, got_p) = results
+    close = dict(rtol=1e-4, atol=1e-4)  # the same sums, added in another order
+    torch.testing.assert_close(got, want, **close)
+    torch.testing.assert_close(got_x, want_x, **close)
+    for a, b in zip(got_p, want_p):
+        torch.testing.assert_close(a, b, **close)

@@ -134,6 +134,9 @@ def _differentiated(model, wrt: list[str], outputs, stop_gradients: list[str]):
     graph.outputs.clear()
     graph.outputs.extend(model_outputs + named)
     pipeline.run(pipeline.FINISH, m, ctx)
+    # a pass may replace an output's value (padded_sums: a gradient's Sum by a Concat that takes
+    # its name): the outputs are the graph's again
+    model_outputs, named = list(graph.outputs[:len(model_outputs)]), list(graph.outputs[len(model_outputs):])
     forward_ids |= {id(n) for n in ctx.forward}  # what the passes added to the forward
 
     # The boundary: what backward nodes read from the forward side. Constants and views
