@@ -61,3 +61,61 @@ def batch(padded: bool, size: int = 2, length: int = 8, seed: int = 1) -> dict:
     mask[1, length - 2:] = 0
     return {"input_ids": ids.masked_fill(mask == 0, COMMON["pad_token_id"]), "attention_mask": mask,
             "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _tiny(family: str):
+    """A model of one of transformers' other families and a batch for it (ids or pixels or
+    audio features, and labels)."""
+    import transformers as tf
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (2, 8), generator=g)
+    mask = torch.ones(2, 8, dtype=torch.int64)
+    mask[1, 6:] = 0
+    text = dict(vocab_size=96, max_position_embeddings=64, pad_token_id=0)
+    ids5 = ids[:, :5].clone()  # decoder labels
+    seq2seq = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                   decoder_start_token_id=1, eos_token_id=2, bos_token_id=1)
+    encoder = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # no random draws to compare
+    if family == "bert":
+        return tf.BertForSequenceClassification(tf.BertConfig(**text, **encoder, num_labels=3)), \
+            {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}
+    if family == "roberta":
+        return tf.RobertaForSequenceClassification(tf.RobertaConfig(**{**text, "pad_token_id": 1}, **encoder,
+                                                                    num_labels=3)), \
+            {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([1, 0])}
+    if family == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                                embd_pdrop=0.0, attn_pdrop=0.0)), \
+            {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    if family == "t5":
+        config = tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                             decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+        return tf.T5ForConditionalGeneration(config), {"input_ids": ids, "attention_mask": mask, "labels": ids5}
+    if family == "bart":
+        return tf.BartForConditionalGeneration(tf.BartConfig(**seq2seq, max_position_embeddings=64)), \
+            {"input_ids": ids, "attention_mask": mask, "labels": ids5}
+    if family == "whisper":
+        config = tf.WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=16, max_target_positions=16)
+        features = torch.randn(2, 8, 32, generator=g)
+        return tf.WhisperForConditionalGeneration(config), {"input_features": features, "labels": ids5}
+    if family == "vit":
+        config = tf.ViTConfig(**encoder, image_size=16, patch_size=4, num_labels=3)
+        return tf.ViTForImageClassification(config), \
+            {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": torch.tensor([0, 2])}
+    if family == "convnext":
+        config = tf.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, image_size=32)
+        return tf.ConvNextForImageClassification(config), \
+            {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.tensor([0, 2])}
+    raise KeyError(family)
+
+
+OTHER_FAMILIES = ("bert", "roberta", "gpt2", "t5", "bart", "whisper", "vit", "convnext")
+
+
+def other_model(family: str, seed: int = 0):
+    """(model randomly initialised with ``seed``, its batch)."""
+    torch.manual_seed(seed)
+    return _tiny(family)

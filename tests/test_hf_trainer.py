@@ -24,13 +24,25 @@ def _data(n: int = 16, length: int = 8):
              "labels": torch.randint(0, 3, (), generator=g)} for i in range(n)]
 
 
-def _train(model, directory) -> list[float]:
+def _lm_data(n: int = 16, length: int = 8):
+    """Causal-LM samples: ids, a right-padded attention mask, the ids as labels (-100 on padding)."""
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(n):
+        ids = torch.randint(3, 96, (length,), generator=g)
+        mask = (torch.arange(length) < 5 + i % 4).long()
+        samples.append({"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+                        "labels": ids.masked_fill(mask == 0, -100)})
+    return samples
+
+
+def _train(model, directory, data=None) -> list[float]:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(output_dir=str(directory), per_device_train_batch_size=4, num_train_epochs=2,
                              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=_data())
+    trainer = Trainer(model=model, args=args, train_dataset=data if data is not None else _data())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -45,6 +57,25 @@ def test_trainer_trains_the_wrapped_model_as_the_plain_one(tmp_path):
     got = _train(wrapped, tmp_path / "wrapped")
     assert len(want) == 8 and len(got) == len(want)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    assert want[0] != want[-1]  # it trained
+    for (name, p), q in zip(plain.state_dict().items(), wrapped.module.state_dict().values()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "mixtral"])
+def test_trainer_trains_a_wrapped_llm_as_the_plain_one(tmp_path, architecture):
+    """A dense and a mixture-of-experts causal LM (transformers' own classes, default
+    attention) under the Trainer: the wrapped model's losses and weights are the plain one's."""
+    from .llm_models import causal_lm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = causal_lm(architecture)
+    plain, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    want = _train(plain, tmp_path / "plain", _lm_data())
+    got = _train(wrapped, tmp_path / "wrapped", _lm_data())
+    assert len(want) == 8 and len(got) == len(want)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     assert want[0] != want[-1]  # it trained
     for (name, p), q in zip(plain.state_dict().items(), wrapped.module.state_dict().values()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)

@@ -15,7 +15,7 @@ import torch
 
 from gradbuilder.ortmodule import ORTModule
 
-from .llm_models import ARCHITECTURES, MOE_ARCHITECTURES, batch, causal_lm
+from .llm_models import ARCHITECTURES, MOE_ARCHITECTURES, OTHER_FAMILIES, batch, causal_lm, other_model
 
 pytest.importorskip("transformers", minversion="5.0")
 
@@ -148,3 +148,10 @@ def test_the_per_expert_conversion_computes_what_transformers_experts_do(has_gat
     torch.testing.assert_close(got_x, want_x, **close)
     for a, b in zip(got_p, want_p):
         torch.testing.assert_close(a, b, **close)
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_encoders_encoder_decoders_and_vision_and_speech_models_keep_training_as_in_pytorch(family):
+    with _quiet():
+        model, data = other_model(family)
+    assert_trains_as_pytorch(model, data)
