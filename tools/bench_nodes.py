@@ -92,16 +92,23 @@ def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = 
     session = TrainingSession(onnx_bytes, params, sess_options=so, providers=["CPUExecutionProvider"])
     for _ in range(steps):
         session.run(["loss"], batch)
-    with open(session.end_profiling()) as f:
+    counts, inserted = last_run_nodes(session.end_profiling())
+    built = onnx.ModelProto.FromString(session._graphs.serialized("step")).graph.node
+    handed = collections.Counter(n.op_type for n in built if n.op_type != "Constant")
+    return counts, inserted, handed
+
+
+def last_run_nodes(profile: str) -> tuple[collections.Counter, int]:
+    """({op type: executions} in the last ``model_run`` of an onnxruntime profile, how many of
+    them are Casts onnxruntime inserted around half-precision nodes)."""
+    with open(profile) as f:
         events = json.load(f)
     last = [e for e in events if e.get("name") == "model_run"][-1]
     start, end = last["ts"], last["ts"] + last["dur"]
     nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
              and start <= e["ts"] <= end]
     inserted = sum(e["name"].startswith("InsertedPrecisionFreeCast") for e in nodes)
-    built = onnx.ModelProto.FromString(session._graphs.serialized("step")).graph.node
-    handed = collections.Counter(n.op_type for n in built if n.op_type != "Constant")
-    return collections.Counter(e["args"]["op_name"] for e in nodes), inserted, handed
+    return collections.Counter(e["args"]["op_name"] for e in nodes), inserted
 
 
 def summary(counts: collections.Counter, inserted: int, handed: collections.Counter) -> dict:

@@ -23,8 +23,10 @@ hidden 256, 4 layers, 8 query heads sharing 2 key/value heads of 32 (grouped-que
 RMSNorm, rotary positions, SwiGLU; Qwen3's MLP 768 wide and its query/key norms, Mixtral's 4
 experts of 384 with 2 chosen per token (the routing in the graph). Its loss is the model's own
 causal-LM loss, ``model(input_ids=tokens, labels=tokens).loss``, default (``sdpa``) attention.
-``graph nodes`` then counts the nodes of the forward and backward graphs the ORTModule hands
-onnxruntime (Constants left out), before onnxruntime's own optimizations.
+``graph nodes`` counts the nodes of the forward and backward graphs the ORTModule hands
+onnxruntime (Constants left out), before onnxruntime's own optimizations; ``node executions``
+what onnxruntime's profiler saw run in one steady step (forward and backward sessions, as
+``bench_nodes.py`` counts: all, computing, shape computations), on the CPU, after the timing.
 
 One training step, the same for both (the encoder's; an LLM's loss as above): ``zero_grad(set_to_none=True)``, ``logits =
 model(tokens)``, ``loss = cross_entropy(logits, labels)`` in PyTorch (outside the ORTModule),
@@ -62,6 +64,7 @@ computation, one graph). ``per break`` = (ortmodule - ortmodule-plain) / N.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import time
@@ -160,6 +163,31 @@ def graph_nodes(model: ORTModule) -> int:
                for g in (compiled.split.forward, compiled.split.backward))
 
 
+def profiled_nodes(module: torch.nn.Module, batches, threads: int, lm: bool) -> dict:
+    """Node executions of one steady ORTModule training step (forward and backward sessions,
+    the third of three steps), counted as ``bench_nodes.py`` counts them (onnxruntime's
+    profiler): all, the computing ones (views left out), the shape computations."""
+    import os
+    import tempfile
+
+    from bench_nodes import SHAPES, VIEWS, last_run_nodes
+
+    so = bt.session_options(threads)
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ortmodule")
+    trainer = Trainer(ORTModule(copy.deepcopy(module), session_options=so), batches, "cpu", lm)
+    for _ in range(3):
+        trainer.step()
+    (compiled,) = trainer.model._compiled.values()
+    if isinstance(compiled, dict):
+        compiled = next(iter(compiled.values()))
+    counts = collections.Counter()
+    for graph in (compiled.forward_graph, compiled.backward_graph):
+        counts += last_run_nodes(graph.session.end_profiling())[0]
+    return {"all": sum(counts.values()), "computing": sum(v for k, v in counts.items() if k not in VIEWS),
+            "shape computations": sum(counts[k] for k in SHAPES)}
+
+
 def with_breaks(module: torch.nn.Module, n: int) -> torch.nn.Module:
     """``module`` with ``Passthrough`` applied to the output of its first ``n`` encoder layers."""
     for layer in list(module.enc.layers)[:n] if n else []:
@@ -230,7 +258,9 @@ def main(argv=None) -> dict:
     reference = (bt.float64_losses(module, batches, lambda model, b: F.cross_entropy(model(b[0]), b[1]))
                  if args.device == "cpu" and not lm else None)
     nodes = graph_nodes(contenders["ortmodule"].model)
-    print(f"graph nodes (forward + backward, as handed to onnxruntime): {nodes}")
+    executed = profiled_nodes(module, batches, args.threads, lm) if args.device == "cpu" else None
+    print(f"graph nodes (forward + backward, as handed to onnxruntime): {nodes}; node executions per step "
+          f"(onnxruntime's profiler, as bench_nodes.py counts them): {executed}")
     del module
 
     pt_ms, ort_ms = bt.median_ms(times["pytorch"], args.warmup), bt.median_ms(times["ortmodule"], args.warmup)
@@ -259,7 +289,7 @@ def main(argv=None) -> dict:
                   f"({ort64:.2e} > {bt.LOSS_SLACK:g} x {pt64:.2e} + {bt.LOSS_TOLERANCE:g}) !!!!!")
 
     results = {"pytorch_ms": pt_ms, "ortmodule_ms": ort_ms, "ratio": ort_ms / pt_ms, "ortmodule_plain_ms": plain_ms,
-               "graph_nodes": nodes, "ortmodule_first_call_s": first_call_s, "ortmodule_first_step_s": times["ortmodule"][0],
+               "graph_nodes": nodes, "node_executions": executed, "ortmodule_first_call_s": first_call_s, "ortmodule_first_step_s": times["ortmodule"][0],
                "pytorch_first_call_s": pt_first_s, "loss_max_rel_diff": rel, "loss_max_rel_diff_step": rel_step,
                "losses": losses, "times_s": times}
     if args.json:

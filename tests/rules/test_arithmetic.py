@@ -1,6 +1,8 @@
 import numpy as np
+import onnx
 import pytest
 
+from gradbuilder import GradientGraphBuilder
 from gradbuilder.testing import check_op
 
 f32 = np.float32
@@ -36,6 +38,17 @@ def test_pow(shapes, rng):
 
 def test_pow_integer_exponent(rng):
     check_op("Pow", [("a", arr(rng, 3, 4)), ("b", np.array(2, dtype=np.int64))])
+
+
+def test_pow_by_a_constant_two_is_differentiated_without_pow(rng):
+    """x^2 with a constant 2 (RMSNorm's): d x = dy * 2x, no Pow in the gradient."""
+    from gradbuilder.testing import make_op_model
+
+    check_op("Pow", [("a", arr(rng, 3, 4)), ("b", np.array(2.0, dtype=np.float32))], wrt=["a"])
+    model, weights, feeds = make_op_model("Pow", [("a", arr(rng, 3, 4)), ("b", np.array(2.0, dtype=np.float32))],
+                                          wrt=["a"])
+    built = onnx.load_from_string(GradientGraphBuilder(model, weights, ["loss"], "loss").build().get_model())
+    assert [n.op_type for n in built.graph.node].count("Pow") == 1  # the forward's own
 
 
 @pytest.mark.parametrize("op,lo,hi", [("Sqrt", 0.5, 2), ("Reciprocal", 0.5, 2), ("Exp", -1, 1),
