@@ -13,7 +13,7 @@ import sys
 import threading
 import warnings
 
-from ..errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, DistributedError, InvalidArgumentError
 from .common import (
     WEIGHTS_HELP,
     allow_inference_export_option,
@@ -73,9 +73,18 @@ def add_train(sub) -> None:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
                    help="with --nproc-per-node: ZeRO stage (1: optimizer state partitioned, 2: and gradients)")
     p.add_argument("--resume", help="checkpoint to continue from: its weights, optimizer state, learning rate, "
-                                    "schedule and data order (--lr, --scheduler and its options, --seed are ignored)")
+                                    "schedule and data order (--lr, --scheduler and its options, --seed are ignored); "
+                                    "'auto': the newest complete checkpoint of --checkpoint's (periodic ones included)")
     p.add_argument("--checkpoint", help="write a checkpoint here at the end, or when SIGINT (Ctrl-C) or SIGTERM "
-                                        "stops training")
+                                        "stops training, or when another process of the run dies")
+    p.add_argument("--save-every", type=integer(1), metavar="N",
+                   help="also write a checkpoint every N optimizer updates beside --checkpoint (CK.updateNNNNNNNN.ext, "
+                        "atomically): a crash loses at most the updates since the last one")
+    p.add_argument("--keep-last", type=integer(1), default=2, metavar="K",
+                   help="with --save-every: keep the newest K periodic checkpoints (default 2)")
+    p.add_argument("--max-restarts", type=integer(0), metavar="N",
+                   help="with --nproc-per-node: when a process fails, torch's launcher restarts them all, up to N "
+                        "times; each restart resumes from the newest complete checkpoint (needs --checkpoint)")
     p.add_argument("-o", "--output", help="write the trained model for inference here")
     p.add_argument("--keep", nargs="+", metavar="N", help="outputs of the inference model (default: all but the loss)")
     p.add_argument("--accuracy", metavar="OUTPUT:TARGET", type=output_and_target,
@@ -97,6 +106,9 @@ def _cmd_train(args) -> int:
                                    "(each takes an equal share of every batch)")
     if args.zero_stage and world == 1:
         raise InvalidArgumentError("--zero-stage needs --nproc-per-node N > 1 (it partitions state across processes)")
+    if args.max_restarts is not None and world == 1:
+        raise InvalidArgumentError("--max-restarts needs --nproc-per-node N > 1 (torch's launcher restarts the "
+                                   "processes); a single process resumes with --resume auto")
     if world > 1 and group is None:
         return _launch(args)
     main_rank = group is None or group[0] == 0  # the one that reports and writes files
@@ -123,9 +135,13 @@ def _cmd_train(args) -> int:
         if done >= args.steps:
             log.info("nothing to train: the checkpoint has seen %d batches and --steps is %d", done, args.steps)
         else:
-            losses = fit(session, data, args.steps - done, args.batch_size,
-                         seed=args.seed if args.seed is not None else 0,
-                         progress=progress(args) if main_rank else False, stop=stop)
+            try:
+                losses = fit(session, data, args.steps - done, args.batch_size,
+                             seed=args.seed if args.seed is not None else 0,
+                             progress=progress(args) if main_rank else False, stop=stop,
+                             checkpoint=args.checkpoint, save_every=args.save_every, keep_last=args.keep_last)
+            except DistributedError as exc:  # another process died or failed: save what can be saved
+                raise DistributedError(f"{exc}; {_survivor_saves(args, session)}") from exc
         if stop.signum is not None:  # handlers stay in place while the checkpoint is written
             return _stopped(args, session, stop.signum, int(session.properties.get(BATCHES_SEEN, done)))
     if args.checkpoint:  # every rank takes part; the first writes it
@@ -140,7 +156,7 @@ def _check_files(args) -> tuple[dict, dict]:
     (training data, evaluation data)."""
     check_train_options(args)
     check_input_file("model", args.model)
-    if args.resume:
+    if args.resume and args.resume != "auto":
         check_input_file("--resume", args.resume)
     check_output_file("--checkpoint", args.checkpoint)
     check_output_file("-o", args.output)
@@ -188,9 +204,28 @@ def _parameters(args, model, loss_name: str):
 
 
 def _start(args, session) -> int:
-    """Resume from ``--resume`` or set the learning rate and schedule: the batches already seen."""
-    from ..runtime.loop import BATCHES_SEEN
+    """Resume from ``--resume`` (``auto``, or a restart by torch's launcher: the newest complete
+    checkpoint of the run) or set the learning rate and schedule: the batches already seen."""
+    import os
 
+    from ..runtime.loop import BATCHES_SEEN
+    from ..runtime.periodic import CheckpointSeries
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if args.resume == "auto" or (restarted and args.checkpoint and not args.resume):
+        try:
+            found = CheckpointSeries(args.checkpoint, args.keep_last).resume(session)
+        except CheckpointError as exc:
+            raise InvalidArgumentError(f"--resume auto: {one_line(exc)}") from None
+        if found is None:
+            log.info("no checkpoint of %s yet: training from the start", args.checkpoint)
+            args.resume = None
+        else:
+            args.resume = str(found)
+            done = int(session.properties.get(BATCHES_SEEN, session.step * args.accumulation_steps))
+            log.info("resumed from %s at step %d (%d batches)%s", found, session.step, done,
+                     " after a restart" if restarted else "")
+            return done
     if not args.resume:
         session.set_learning_rate(args.lr if args.lr is not None else 1e-3)
         if args.scheduler:
@@ -208,6 +243,31 @@ def _start(args, session) -> int:
         warnings.warn(f"{' '.join(ignored)} are ignored with --resume: the checkpoint's learning rate, schedule "
                       "and data order continue", UserWarning, stacklevel=1)
     return done
+
+
+def _survivor_saves(args, session) -> str:
+    """After another process failed: this one's consistent state saved where it holds all of it
+    (data parallel without ZeRO: every process has the whole state after the last update all
+    of them completed), and what the user can resume from, in words."""
+    from ..runtime.periodic import CheckpointSeries
+
+    if not args.checkpoint:
+        return "nothing was saved (with --checkpoint PATH --save-every N a crash loses at most N updates)"
+    series = CheckpointSeries(args.checkpoint, args.keep_last)
+    if session.holds_whole_state():
+        path = series.at(session.step)
+        try:
+            session.save_checkpoint(path, this_process_only=True)
+        except Exception as exc:  # noqa: BLE001 - the error in hand is the one to report
+            log.warning("could not save the surviving state to %s: %s", path, one_line(exc))
+        else:
+            return (f"saved the state after update {session.step} (the last one every process completed) to {path}; "
+                    f"to continue, run the same command with --resume auto")
+    newest = next(iter(series.candidates()), None)
+    if newest is None:
+        return "this process holds only part of the state (ZeRO or a pipeline stage) and no checkpoint was written yet"
+    return (f"this process holds only part of the state (ZeRO or a pipeline stage); the newest checkpoint is {newest}: "
+            "to continue from it, run the same command with --resume auto")
 
 
 def _scheduler_args(args) -> dict:
@@ -307,7 +367,9 @@ def _launch(args) -> int:
             rest.append(arg)
     log.info("starting %d processes with torch.distributed.run", args.nproc_per_node)
     try:
-        run.main(["--nproc-per-node", str(args.nproc_per_node), "--standalone", "-m", "gradbuilder.cli", *rest])
+        restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+        run.main(["--nproc-per-node", str(args.nproc_per_node), "--standalone", *restarts, "-m", "gradbuilder.cli",
+                  *rest])
     except Exception as exc:  # noqa: BLE001 - torch's ChildFailedError names the failed rank
         print(f"gradbuilder: error: {one_line(exc)}", file=sys.stderr)
         return 1

@@ -20,6 +20,13 @@ def check_train_options(args) -> None:
         raise InvalidArgumentError("--keep needs -o (the inference model it names the outputs of)")
     if args.eval_data and not args.accuracy:
         raise InvalidArgumentError("--eval-data needs --accuracy")
+    for option in ("save_every", "max_restarts"):
+        if getattr(args, option) is not None and not args.checkpoint:
+            raise InvalidArgumentError(f"--{option.replace('_', '-')} needs --checkpoint PATH (the checkpoints are "
+                                       "written beside it, and a restart resumes from them)")
+    if args.resume == "auto" and not args.checkpoint:
+        raise InvalidArgumentError("--resume auto needs --checkpoint PATH (it resumes from the newest checkpoint "
+                                   "written beside it)")
     uses = {"warmup_steps": ("linear", "cosine", "constant_with_warmup"), "step_size": ("step",), "gamma": ("step",)}
     for option, schedules in uses.items():
         if getattr(args, option) is not None and args.scheduler not in schedules:

@@ -102,6 +102,12 @@ class Executor:
         process writes it."""
         return tensors
 
+    @property
+    def holds_whole_state(self) -> bool:
+        """Whether this process alone holds the whole state of a checkpoint (so that it can
+        write one without the others: after another process died)."""
+        return True
+
     def partition_info(self) -> dict:
         """{weight: {"owner": rank}} when the optimizer state is partitioned, else {}."""
         return {}

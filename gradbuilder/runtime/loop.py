@@ -65,7 +65,8 @@ BATCHES_SEEN, DATA_SEED = "batches_seen", "data_seed"
 
 def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, seed: int = 0,
         loss_name: str | None = None, progress: bool | None = None, stream=None,
-        stop: Callable[[], bool] | None = None) -> list[float]:
+        stop: Callable[[], bool] | None = None, checkpoint=None, save_every: int | None = None,
+        keep_last: int = 2) -> list[float]:
     """Train ``session`` (a TrainingSession) for ``steps`` runs of ``session.run`` on shuffled
     mini-batches of ``data`` (with gradient accumulation, several runs make one update);
     returns the loss of every run. A registered scheduler is stepped after every update. The
@@ -79,10 +80,23 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     session can be checkpointed and resumed exactly (``gradbuilder train`` passes a flag set
     by SIGINT/SIGTERM); the returned list then holds fewer than ``steps`` losses. A
     data-parallel session (``session.data_shard``) trains on its share of each batch: every
-    process draws the same batches."""
+    process draws the same batches.
+
+    ``save_every``: after every that many optimizer updates, a checkpoint of the session beside
+    ``checkpoint`` (``ck.safetensors`` -> ``ck.update00000400.safetensors``, written atomically;
+    the newest ``keep_last`` kept): a crash loses at most the updates since the last one, and
+    ``gradbuilder.runtime.periodic.CheckpointSeries(checkpoint).resume(session)`` continues
+    from the newest complete one, exactly as if nothing had happened."""
+    from .periodic import CheckpointSeries
+
     loss_name = loss_name or session.loss_name
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be an int >= 1, got {steps!r}")
+    if save_every is not None and (isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1):
+        raise InvalidArgumentError(f"save_every must be an int >= 1 (optimizer updates), got {save_every!r}")
+    if save_every is not None and checkpoint is None:
+        raise InvalidArgumentError("save_every needs checkpoint: the path the periodic checkpoints are named after")
+    series = CheckpointSeries(checkpoint, keep_last) if save_every is not None else None
     done = int(session.properties.get(BATCHES_SEEN, 0))
     seed = int(session.properties.get(DATA_SEED, seed))
     feed_names = [a.name for a in session.get_inputs()]
@@ -109,6 +123,8 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
             losses.append(float(loss))
             if session.scheduler is not None and session.step > updates:
                 session.scheduler_step()
+            if series is not None and session.step > updates and session.step % save_every == 0:
+                series.save(session)
             if i == 0:
                 bar.close()
                 bar = progress_bar(steps, progress=progress, stream=stream, initial=1)

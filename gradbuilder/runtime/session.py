@@ -398,14 +398,27 @@ class TrainingSession:
         self._state.set(checked, owned=owned)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
+    def holds_whole_state(self) -> bool:
+        """Whether this process alone holds the whole training state (always, but in a
+        distributed session with ZeRO, pipeline stages or per-process accumulated gradients)."""
+        return self._executor.holds_whole_state
+
+    def save_checkpoint(self, path: str | os.PathLike, this_process_only: bool = False) -> None:
         """Write weights, optimizer state, step, learning rate and scheduler state to ``path``
-        (safetensors, written atomically; see ``gradbuilder.runtime.checkpoint``)."""
+        (safetensors, written atomically; see ``gradbuilder.runtime.checkpoint``). In a
+        distributed session every process calls it and the first writes; with
+        ``this_process_only`` (where ``holds_whole_state()``: after another process died) this
+        one writes it alone."""
         path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is read
+        if this_process_only and not self.holds_whole_state():
+            raise InvalidArgumentError("save_checkpoint(this_process_only=True): this process holds only part of the "
+                                       "state (ZeRO, a pipeline stage or its own accumulated gradients)")
         tensors = {n: self._state[n] for n in self._state}  # OrtValues, written from their own memory
         tensors.update({f"{w}.grad": v for w, v in self._state.grads.items()})
         # one checkpoint: the distributed executors gather it on the first rank (None on the others)
-        tensors = self._executor.checkpoint_tensors(tensors, f"gathering the state for checkpoint {os.fspath(path)}")
+        if not this_process_only:
+            tensors = self._executor.checkpoint_tensors(tensors, f"gathering the state for checkpoint "
+                                                                 f"{os.fspath(path)}")
         if tensors is None:
             return
         metadata = {

@@ -331,6 +331,12 @@ class DataParallel(Executor):
     def owned_grads(self, grads: dict) -> dict:
         return {w: v for w, v in grads.items() if w in self.owned}
 
+    @property
+    def holds_whole_state(self) -> bool:
+        """Without ZeRO, a pipeline or per-replica accumulated gradients, every process holds
+        the same whole state after each update."""
+        return not self.partial and not self.post
+
     def checkpoint_tensors(self, tensors: dict, what: str) -> dict | None:
         """One checkpoint, written by the first rank from copies (gathered averages in place)."""
         return self.gathered({n: np.array(v.numpy(), copy=True) for n, v in tensors.items()}, what)

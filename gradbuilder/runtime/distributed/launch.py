@@ -122,13 +122,30 @@ def init_process_group(device: tuple[str, int]) -> None:
         import torch
 
         torch.cuda.set_device(device[1])
+    timeout = datetime.timedelta(seconds=timeout_seconds())
     try:
-        dist.init_process_group(backend, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_seconds()))
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, store=_store(rank, size, timeout))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds
         raise DistributedError(f"rank {rank}: torch.distributed.init_process_group({backend!r}) failed at "
                                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {exc}") from exc
     atexit.register(_destroy)  # a group left to the interpreter's exit can abort it (gloo's threads)
+
+
+def _store(rank: int, size: int, timeout):
+    """Under torch's launcher (torchrun), the rendezvous store of this attempt: torchrun keeps one
+    store across the restarts of a group (``--max-restarts``), and gloo's connections read the
+    ranks' addresses from it, those of the processes of the attempt before included (a restarted
+    group then tries to connect to a dead process); each attempt's keys get a prefix of their
+    own. None elsewhere: ``init_process_group`` makes its store from the environment."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the launcher's agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                          is_master=not agent and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"gradbuilder/attempt_{attempt}", store)
 
 
 def _destroy() -> None:
