@@ -97,6 +97,30 @@ def test_fit_saves_every_n_updates_and_keeps_the_newest(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
+def test_checkpoints_written_in_the_background_are_the_foreground_ones(tmp_path, monkeypatch):
+    """``save_in_background``: a copy of the state written from a thread while training goes on;
+    every file equals the one written in the foreground, all there when ``fit`` returns, and a
+    failed write is raised (by the next save, or when ``fit`` ends)."""
+    from gradbuilder.errors import CheckpointError
+
+    for mode, background in (("fg", False), ("bg", True)):
+        fit(_session(), _data(), steps=12, batch_size=8, checkpoint=tmp_path / f"{mode}.safetensors", save_every=4,
+            keep_last=3, save_in_background=background, progress=False)
+    for update in (4, 8, 12):
+        (a, meta_a), (b, meta_b) = (checkpoint.load(tmp_path / f"{m}.update{update:08d}.safetensors")
+                                    for m in ("fg", "bg"))
+        assert meta_a == meta_b and set(a) == set(b)
+        assert all(np.array_equal(a[n], b[n]) for n in a)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_host_bytes", full)
+    with pytest.raises(CheckpointError, match="could not write checkpoint .*full.update00000004.* No space left"):
+        fit(_session(), _data(), steps=6, batch_size=8, checkpoint=tmp_path / "full.safetensors", save_every=4,
+            save_in_background=True, progress=False)
+
+
 def test_resuming_the_newest_periodic_checkpoint_continues_bit_identically(tmp_path):
     """A run stopped after any number of steps and resumed from the newest periodic checkpoint
     ends where the uninterrupted run ends (weights, states, step, data order, schedule)."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Callable, Mapping
 
 import numpy as np
@@ -66,7 +67,7 @@ BATCHES_SEEN, DATA_SEED = "batches_seen", "data_seed"
 def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, seed: int = 0,
         loss_name: str | None = None, progress: bool | None = None, stream=None,
         stop: Callable[[], bool] | None = None, checkpoint=None, save_every: int | None = None,
-        keep_last: int = 2) -> list[float]:
+        keep_last: int = 2, save_in_background: bool = False) -> list[float]:
     """Train ``session`` (a TrainingSession) for ``steps`` runs of ``session.run`` on shuffled
     mini-batches of ``data`` (with gradient accumulation, several runs make one update);
     returns the loss of every run. A registered scheduler is stepped after every update. The
@@ -86,7 +87,11 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     ``checkpoint`` (``ck.safetensors`` -> ``ck.update00000400.safetensors``, written atomically;
     the newest ``keep_last`` kept): a crash loses at most the updates since the last one, and
     ``gradbuilder.runtime.periodic.CheckpointSeries(checkpoint).resume(session)`` continues
-    from the newest complete one, exactly as if nothing had happened."""
+    from the newest complete one, exactly as if nothing had happened. ``save_in_background``:
+    each is copied and written from a thread while training goes on (the state's size in
+    memory for the copy; on a 2-core CPU it costs more than it saves, as the hashing and the
+    writing take the cores the steps use: ``tools/bench_periodic.py``); ``fit`` returns once
+    the last one is written."""
     from .periodic import CheckpointSeries
 
     loss_name = loss_name or session.loss_name
@@ -96,7 +101,7 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
         raise InvalidArgumentError(f"save_every must be an int >= 1 (optimizer updates), got {save_every!r}")
     if save_every is not None and checkpoint is None:
         raise InvalidArgumentError("save_every needs checkpoint: the path the periodic checkpoints are named after")
-    series = CheckpointSeries(checkpoint, keep_last) if save_every is not None else None
+    series = CheckpointSeries(checkpoint, keep_last, save_in_background) if save_every is not None else None
     done = int(session.properties.get(BATCHES_SEEN, 0))
     seed = int(session.properties.get(DATA_SEED, seed))
     feed_names = [a.name for a in session.get_inputs()]
@@ -134,6 +139,8 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
                 bar.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
     finally:
         bar.close()
+        if series is not None:  # the last periodic checkpoint written; its failure raised unless one is
+            series.wait(quiet=sys.exc_info()[0] is not None)
     return losses
 
 

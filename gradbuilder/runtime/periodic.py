@@ -14,23 +14,31 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 
 from .. import files
 from ..errors import CheckpointError, InvalidArgumentError
 from ..user_warnings import warn
+from . import checkpoint
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointSeries:
-    """The checkpoints of one run: ``path`` and its numbered siblings."""
+    """The checkpoints of one run: ``path`` and its numbered siblings. With ``background``,
+    ``save`` copies the state and writes it from a thread while training goes on (the hashing
+    and the disk's time overlap the steps; the copy costs the state's size in memory until the
+    write is done); ``wait`` (which ``fit`` calls) finishes the write in progress."""
 
-    def __init__(self, path: str | os.PathLike, keep_last: int = 2):
+    def __init__(self, path: str | os.PathLike, keep_last: int = 2, background: bool = False):
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise InvalidArgumentError(f"keep_last must be an int >= 1, got {keep_last!r}")
         self.path = Path(path)
         self.keep_last = keep_last
+        self.background = background
+        self._writer: threading.Thread | None = None
+        self._failed: BaseException | None = None
         suffix = self.path.suffix
         stem = self.path.name[: len(self.path.name) - len(suffix)] if suffix else self.path.name
         self._stem, self._suffix = stem, suffix
@@ -52,10 +60,41 @@ class CheckpointSeries:
         update; then only the newest ``keep_last`` are kept. Every process of a distributed
         session calls it (the checkpoint is gathered; the first rank writes)."""
         path = self.at(session.step)
-        session.save_checkpoint(path)
+        if not self.background:
+            session.save_checkpoint(path)
+            self._prune()
+            return path
+        self.wait()  # one write at a time; its failure is raised here
+        files.check_output_path(path, CheckpointError, "checkpoint")
+        contents = session.checkpoint_contents(path, copy=True)
+        if contents is not None:
+            self._writer = threading.Thread(target=self._write, args=(path, contents), daemon=False,
+                                            name=f"checkpoint {path.name}")
+            self._writer.start()
+        return path
+
+    def _write(self, path: Path, contents) -> None:
+        try:
+            checkpoint.save(path, *contents)
+            self._prune()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save or wait
+            self._failed = exc
+
+    def wait(self, quiet: bool = False) -> None:
+        """Finish the checkpoint being written in the background, if any; its error, if it
+        failed (``quiet``: logged instead, where another error is being raised)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            if not quiet:
+                raise failed
+            log.warning("the periodic checkpoint written in the background failed too: %s", failed)
+
+    def _prune(self) -> None:
         for old in self.numbered()[: -self.keep_last]:
             old.unlink(missing_ok=True)  # another rank may have removed it first
-        return path
 
     def _remove_stale_temporaries(self) -> None:
         """The temporary files of checkpoint writes a killed process never finished."""

@@ -410,6 +410,16 @@ class TrainingSession:
         ``this_process_only`` (where ``holds_whole_state()``: after another process died) this
         one writes it alone."""
         path = files.check_output_path(path, CheckpointError, "checkpoint")  # before the state is read
+        contents = self.checkpoint_contents(path, this_process_only)
+        if contents is not None:
+            checkpoint.save(path, *contents)
+
+    def checkpoint_contents(self, path: str | os.PathLike, this_process_only: bool = False,
+                            copy: bool = False) -> tuple[dict, dict] | None:
+        """(tensors, metadata) of the checkpoint ``save_checkpoint(path)`` writes, None on the
+        processes of a distributed session that do not write it (every process calls it). The
+        tensors are the state's own memory (OrtValues), or with ``copy`` numpy copies that
+        training may go on beside (a checkpoint written in the background)."""
         if this_process_only and not self.holds_whole_state():
             raise InvalidArgumentError("save_checkpoint(this_process_only=True): this process holds only part of the "
                                        "state (ZeRO, a pipeline stage or its own accumulated gradients)")
@@ -420,7 +430,10 @@ class TrainingSession:
             tensors = self._executor.checkpoint_tensors(tensors, f"gathering the state for checkpoint "
                                                                  f"{os.fspath(path)}")
         if tensors is None:
-            return
+            return None
+        if copy:
+            tensors = {n: np.array(v.numpy() if isinstance(v, ort.OrtValue) else v, copy=True)
+                       for n, v in tensors.items()}
         metadata = {
             "model": self._facts.identity.model,
             "optimizer": json.dumps({"name": self._builder.optimizer, "options": jsonable(self._builder.optimizer_options),
@@ -431,7 +444,7 @@ class TrainingSession:
             "properties": _properties_json(self.properties),
             "skipped_steps": str(self.skipped_steps),
         }
-        checkpoint.save(path, tensors, metadata)
+        return tensors, metadata
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Resume from ``save_checkpoint``'s file: verified first (integrity, the same model
