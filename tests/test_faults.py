@@ -29,11 +29,29 @@ TIMEOUT_S = 300
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _files(tmp_path: Path, rows: int = 64):
-    onnx.save(mlp_model(), tmp_path / "mlp.onnx")
+def _files(tmp_path: Path, rows: int = 64, wide: bool = False):
+    onnx.save(wide_model() if wide else mlp_model(), tmp_path / "mlp.onnx")
     rng = np.random.default_rng(5)
     np.savez(tmp_path / "data.npz", x=rng.standard_normal((rows, 8)).astype(np.float32),
              y=rng.integers(0, 4, rows).astype(np.int64))
+
+
+def wide_model() -> onnx.ModelProto:
+    """An MLP with a hidden layer of 2^18: its checkpoint (40 MB with AdamW's states) takes long
+    enough to write that a kill can land inside the write."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    hidden = 1 << 18
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.01).astype(np.float32), n)
+             for n, s in [("W1", (8, hidden)), ("B1", (hidden,)), ("W2", (hidden, 4)), ("B2", (4,))]]
+    nodes = [helper.make_node("Gemm", ["x", "W1", "B1"], ["h1"]), helper.make_node("Relu", ["h1"], ["a1"]),
+             helper.make_node("Gemm", ["a1", "W2", "B2"], ["logits"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], reduction="mean")]
+    graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8]),
+                                              helper.make_tensor_value_info("y", TensorProto.INT64, ["batch"])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _command(tmp_path: Path, run: str, steps: int, *extra: str) -> list[str]:
@@ -214,25 +232,30 @@ def test_a_process_killed_anywhere_resumes_and_ends_bit_identical(tmp_path, unin
     _assert_identical(_final(tmp_path, "run"), uninterrupted)
 
 
-def test_a_process_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path, uninterrupted):
+def test_a_process_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path):
     """SIGKILL while a periodic checkpoint is being written (its temporary file exists): the
     earlier checkpoints are whole, the resumed run removes the temporary and ends bit-identical."""
-    _files(tmp_path)
-    command = _command(tmp_path, "run", STEPS, "--save-every", "10")
+    _files(tmp_path, wide=True)
+    steps = 200
+    reference = subprocess.run(_command(tmp_path, "ref", steps), capture_output=True, text=True, timeout=TIMEOUT_S,
+                               env=ENV)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    command = _command(tmp_path, "run", steps, "--save-every", "10")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     folder = tmp_path / "run"
 
     def writing() -> bool:
-        return _periodic(tmp_path, "run", 300).exists() and any(p.name.endswith(".tmp") for p in folder.iterdir())
+        return _periodic(tmp_path, "run", 50).exists() and any(p.name.endswith(".tmp") for p in folder.iterdir())
 
-    _wait_for(writing, proc, "a checkpoint write after update 300")
+    _wait_for(writing, proc, "a checkpoint write after update 50")
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=TIMEOUT_S)
+    assert [p for p in folder.iterdir() if p.name.endswith(".tmp")]  # the kill landed inside the write
     resumed = subprocess.run(command + ["--resume", "auto"], capture_output=True, text=True, timeout=TIMEOUT_S,
                              env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
-    _assert_identical(_final(tmp_path, "run"), uninterrupted)
+    _assert_identical(_final(tmp_path, "run"), _final(tmp_path, "ref"))
 
 
 # ---------------------------------------------------------------------------- SIGKILL, one rank of two
@@ -254,6 +277,18 @@ def _rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
+def _kill_rank_1_after(tmp_path: Path, proc: subprocess.Popen, update: int) -> str:
+    """SIGKILL rank 1 of the run ``proc`` once its periodic checkpoint of ``update`` exists;
+    the run's stderr, once it has ended well (the launcher restarted the group)."""
+    _wait_for(_periodic(tmp_path, "run", update).exists, proc, f"update {update}")
+    pid = _rank_pid(tmp_path / "run", 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, err[-4000:]
+    return err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["0", "2"])
 def test_a_killed_rank_is_restarted_and_the_run_ends_bit_identical(tmp_path, zero):
@@ -268,12 +303,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_bit_identical(tmp_path, zer
     assert reference.returncode == 0, reference.stderr[-3000:]
     command = _command(tmp_path, "run", steps, *parallel, "--save-every", "20", "--max-restarts", "1")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    _wait_for(_periodic(tmp_path, "run", 200).exists, proc, "update 200")
-    pid = _rank_pid(tmp_path / "run", 1)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    out, err = proc.communicate(timeout=TIMEOUT_S)
-    assert proc.returncode == 0, err[-4000:]
+    err = _kill_rank_1_after(tmp_path, proc, 200)
     assert "after a restart" in err
     if zero == "0":  # the survivor saved the last update both completed: the restart loses nothing
         import re
@@ -312,12 +342,6 @@ def test_a_killed_pipeline_stage_is_restarted_and_the_run_ends_bit_identical(tmp
     reference = start("ref")
     _, err = reference.communicate(timeout=TIMEOUT_S)
     assert reference.returncode == 0, err[-3000:]
-    proc = start("run")
-    _wait_for(_periodic(tmp_path, "run", 160).exists, proc, "update 160")
-    pid = _rank_pid(tmp_path / "run", 1)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    _, err = proc.communicate(timeout=TIMEOUT_S)
-    assert proc.returncode == 0, err[-4000:]
+    err = _kill_rank_1_after(tmp_path, start("run"), 160)
     assert "resumed from" in err
     _assert_identical(_final(tmp_path, "run"), _final(tmp_path, "ref"))
