@@ -54,28 +54,31 @@ def softsign(n, dys, needs, e):
     return (e.Div(dys[0], e.Mul(d, d)),)
 
 
+def gelu_slope(e, u):
+    """d/du of u Phi(u) = Phi(u) + u phi(u), Phi(u) = (1 + erf(u/sqrt 2))/2,
+    phi(u) = exp(-u^2/2)/sqrt(2 pi)."""
+    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
+    cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(u, e.scalar(1.0 / math.sqrt(2.0), u)))))
+    pdf = e.Mul(e.scalar(1.0 / math.sqrt(2.0 * math.pi), u), e.Exp(e.Mul(e.scalar(-0.5, u), e.Mul(u, u))))
+    return e.Add(cdf, e.Mul(u, pdf))
+
+
+def gelu_tanh_slope(e, u):
+    """d/du of u (1 + t)/2 with t = tanh(k (u + a u^3)), k = sqrt(2/pi), a = 0.044715:
+    (1 + t)/2 + u/2 (1 - t^2) k (1 + 3 a u^2)."""
+    k, a = math.sqrt(2.0 / math.pi), 0.044715
+    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
+    u2 = e.Mul(u, u)
+    t = e.Tanh(e.Mul(e.scalar(k, u), e.Add(u, e.Mul(e.scalar(a, u), e.Mul(u2, u)))))
+    du = e.Mul(e.scalar(k, u), e.Add(one, e.Mul(e.scalar(3 * a, u), u2)))
+    return e.Add(e.Mul(half, e.Add(one, t)), e.Mul(e.Mul(half, u), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
+
+
 @register("Gelu")
 def gelu(n, dys, needs, e):
-    """approximate="none":  y = x Phi(x),  dx = dy * (Phi(x) + x phi(x)),
-    Phi(x) = (1 + erf(x/sqrt 2))/2, phi(x) = exp(-x^2/2)/sqrt(2 pi).
-
-    approximate="tanh":  y = x (1 + t)/2, t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3),
-    dx = dy * ((1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3*0.044715 x^2)).
-    """
-    (x,) = n.inputs
-    half, one = e.scalar(0.5, x), e.scalar(1.0, x)
-    x2 = e.Mul(x, x)
-    if attr(n, "approximate", "none") == "tanh":
-        k, a = math.sqrt(2.0 / math.pi), 0.044715
-        t = e.Tanh(e.Mul(e.scalar(k, x), e.Add(x, e.Mul(e.scalar(a, x), e.Mul(x2, x)))))
-        du = e.Mul(e.scalar(k, x), e.Add(one, e.Mul(e.scalar(3 * a, x), x2)))
-        local = e.Add(e.Mul(half, e.Add(one, t)),
-                      e.Mul(e.Mul(half, x), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
-    else:
-        cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(x, e.scalar(1.0 / math.sqrt(2.0), x)))))
-        pdf = e.Mul(e.scalar(1.0 / math.sqrt(2.0 * math.pi), x), e.Exp(e.Mul(e.scalar(-0.5, x), x2)))
-        local = e.Add(cdf, e.Mul(x, pdf))
-    return (e.Mul(dys[0], local),)
+    """dx = dy * d/dx (x Phi(x)) (``gelu_slope``; approximate="tanh": ``gelu_tanh_slope``)."""
+    slope = gelu_tanh_slope if attr(n, "approximate", "none") == "tanh" else gelu_slope
+    return (e.Mul(dys[0], slope(e, n.inputs[0])),)
 
 
 # ----------------------------------------------------------------------------- piecewise

@@ -39,7 +39,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from gradbuilder.compiler.autodiff import captures, walk
+from gradbuilder.compiler.autodiff import walk
+from gradbuilder.compiler.traversal import captures
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of, optional_input

@@ -23,7 +23,6 @@ shape: the rules take dtypes from the inputs and fall back to Shape-based subgra
 
 from __future__ import annotations
 
-import math
 import types
 
 import numpy as np
@@ -32,6 +31,7 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of, optional_input
+from gradbuilder.rules.activations import gelu_slope, gelu_tanh_slope
 from gradbuilder.rules.linalg import matmul
 from gradbuilder.rules.helpers import cast_to, compute_type, first_typed, wants
 from gradbuilder.rules.norm_stats import Moments, trailing_axes
@@ -63,26 +63,6 @@ def _sum_to(e, g, like):
 # ----------------------------------------------------------------------------- GELU family
 
 
-def _gelu_slope(e, u):
-    """d/du of u Phi(u) = Phi(u) + u phi(u), Phi(u) = (1 + erf(u/sqrt 2))/2,
-    phi(u) = exp(-u^2/2)/sqrt(2 pi)."""
-    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
-    cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(u, e.scalar(1.0 / math.sqrt(2.0), u)))))
-    pdf = e.Mul(e.scalar(1.0 / math.sqrt(2.0 * math.pi), u), e.Exp(e.Mul(e.scalar(-0.5, u), e.Mul(u, u))))
-    return e.Add(cdf, e.Mul(u, pdf))
-
-
-def _gelu_tanh_slope(e, u):
-    """d/du of u (1 + t)/2 with t = tanh(k (u + a u^3)), k = sqrt(2/pi), a = 0.044715:
-    (1 + t)/2 + u/2 (1 - t^2) k (1 + 3 a u^2)."""
-    k, a = math.sqrt(2.0 / math.pi), 0.044715
-    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
-    u2 = e.Mul(u, u)
-    t = e.Tanh(e.Mul(e.scalar(k, u), e.Add(u, e.Mul(e.scalar(a, u), e.Mul(u2, u)))))
-    du = e.Mul(e.scalar(k, u), e.Add(one, e.Mul(e.scalar(3 * a, u), u2)))
-    return e.Add(e.Mul(half, e.Add(one, t)), e.Mul(e.Mul(half, u), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
-
-
 def _biased(n, dys, needs, e, slope):
     """y = f(x + bias) with an optional 1-D bias: dx = dy * f'(x + bias), dbias = sum of dx
     over every axis but the last."""
@@ -96,21 +76,21 @@ def _biased(n, dys, needs, e, slope):
 @register("Gelu", domain=MS)
 def gelu(n, dys, needs, e):
     """y = x Phi(x) (exact, erf form):  dx = dy * (Phi(x) + x phi(x))."""
-    return [e.Mul(dys[0], _gelu_slope(e, n.inputs[0]))]
+    return [e.Mul(dys[0], gelu_slope(e, n.inputs[0]))]
 
 
 @register("BiasGelu", domain=MS)
 def bias_gelu(n, dys, needs, e):
     """C = gelu(A + B) (erf form), B a 1-D bias over the last axis:
     dA = dy * gelu'(A + B), dB = dA summed over every axis but the last."""
-    return _biased(n, dys, needs, e, _gelu_slope)
+    return _biased(n, dys, needs, e, gelu_slope)
 
 
 @register("FastGelu", domain=MS)
 def fast_gelu(n, dys, needs, e):
     """Y = u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3)))/2 with u = X (+ bias):
     dX = dY * (tanh-GELU)'(u), dbias = dX summed over every axis but the last."""
-    return _biased(n, dys, needs, e, _gelu_tanh_slope)
+    return _biased(n, dys, needs, e, gelu_tanh_slope)
 
 
 @register("QuickGelu", domain=MS)

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import onnx_ir as ir
 
-from gradbuilder.compiler.autodiff import is_float, node_inputs, walk
+from gradbuilder.compiler.autodiff import walk
+from gradbuilder.compiler.traversal import is_float, node_inputs
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import TRIPS, register
 from gradbuilder.compiler.values import attr

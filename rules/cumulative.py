@@ -8,12 +8,11 @@ are exact.
 from __future__ import annotations
 
 import numpy as np
-import onnx_ir as ir
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of
 from gradbuilder.rules.helpers import keep
-from gradbuilder.rules.sizes import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec
+from gradbuilder.rules.sizes import Dims, as_int64, iadd, isub, iwrap, scalar_of, vec, with_unit_axes
 
 
 @register("CumSum")
@@ -25,15 +24,6 @@ def cumsum(n, dys, needs, e):
 
 
 _FACTOR_TEST = {(0, 0): "LessOrEqual", (1, 0): "Less", (0, 1): "GreaterOrEqual", (1, 1): "Greater"}
-
-
-def _along(e, v, trailing):
-    """``v`` (n, n) given ``trailing`` unit axes: (n, n, 1, ..., 1). ``trailing`` is an int or
-    a 1-element int64 tensor (an axis chosen at run time)."""
-    if isinstance(trailing, int):
-        return e.Unsqueeze(v, list(range(2, 2 + trailing))) if trailing else v
-    ones = e.ConstantOfShape(trailing, value=ir.tensor(np.array([1], dtype=np.int64)))
-    return e.Reshape(v, e.Concat(e.Shape(v), ones, axis=0))
 
 
 def _cumprod_masks(e, x, dims, axis, exclusive, reverse):
@@ -50,7 +40,7 @@ def _cumprod_masks(e, x, dims, axis, exclusive, reverse):
         return e.const((j == i).reshape(shape)), e.const(inside.reshape(shape))
     idx = e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1))
     j, i = e.Unsqueeze(idx, [1]), e.Unsqueeze(idx, [0])
-    return _along(e, e.Equal(j, i), trailing), _along(e, e.op(test, j, i), trailing)
+    return with_unit_axes(e, e.Equal(j, i), 2, trailing), with_unit_axes(e, e.op(test, j, i), 2, trailing)
 
 
 @register("CumProd", since=26)

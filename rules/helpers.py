@@ -73,6 +73,11 @@ def first_typed(*values):
     return known[0] if known else next(v for v in values if v is not None)
 
 
+def dtype_of(*values) -> ir.DataType:
+    """The dtype of ``first_typed(*values)``; float32 where none is known."""
+    return first_typed(*values).dtype or ir.DataType.FLOAT
+
+
 def const_like(e, values, like):
     """The float array ``values`` as a constant in ``like``'s dtype (a float64 constant and a
     CastLike when that dtype is unknown)."""

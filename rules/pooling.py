@@ -21,7 +21,7 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, dims_of
-from gradbuilder.rules.helpers import HALF_TYPES, rank_of, safe_div
+from gradbuilder.rules.helpers import HALF_TYPES, dtype_of, rank_of, safe_div
 from gradbuilder.rules.sizes import dim, iadd, imul, is_static, isub, known, reshape_to, stack
 from gradbuilder.rules.windows import conv_fitted, conv_transpose_fitted, fit, frame_of, window_axes
 
@@ -39,10 +39,6 @@ def _unplanes(e, v, like):
     if d is not None and is_static(*d):
         return reshape_to(e, v, list(d), like=like)
     return e.Reshape(v, e.Shape(like))
-
-
-def _dtype(*values):
-    return next((v.dtype for v in values if v is not None and v.dtype is not None), ir.DataType.FLOAT)
 
 
 def _scatter_windows(e, planes_grad, taps, axes, x):
@@ -78,7 +74,7 @@ def _counts_dynamic(e, axes, include_pad: bool, like):
     starts = [0 if include_pad else isub(e, 0, a.begin) for a in axes]
     one = e.scalar(1.0, like)
     ones = e.Expand(one, stack(e, [1, 1] + lengths))
-    kernel = e.const(np.ones([1, 1] + [a.kernel for a in axes]), dtype=_dtype(like))
+    kernel = e.const(np.ones([1, 1] + [a.kernel for a in axes]), dtype=dtype_of(like))
     return conv_fitted(e, ones, kernel, starts, [a.frame for a in axes],
                        [a.stride for a in axes], [a.dilation for a in axes])
 
@@ -101,10 +97,10 @@ def average_pool(n, dys, needs, e):
         if np.all(count == count.flat[0]):
             scaled = e.Div(dy, e.scalar(float(count.flat[0]), dy))
         else:
-            scaled = e.Div(dy, e.const(count, dtype=_dtype(dy, x)))
+            scaled = e.Div(dy, e.const(count, dtype=dtype_of(dy, x)))
     else:
         scaled = e.Div(dy, _counts_dynamic(e, axes, include_pad, x))
-    ones = e.const(np.ones([1, 1] + kernel), dtype=_dtype(x, dy))
+    ones = e.const(np.ones([1, 1] + kernel), dtype=dtype_of(x, dy))
     return (_scatter_windows(e, _planes(e, scaled, rank), ones, axes, x),)
 
 
@@ -145,14 +141,14 @@ def _max_pool_scatter(n, e, x, dy, axes):
         attrs = {k: attr(n, k) for k in _POOL_ATTRS if attr(n, k) is not None}
         _, indices = e.op("MaxPool", x, outputs=2, **attrs)
         indices.dtype = ir.DataType.INT64  # the emitter gives every output the input's dtype
-    if _dtype(x, dy) == ir.DataType.FLOAT and _tiles_input(axes):
+    if dtype_of(x, dy) == ir.DataType.FLOAT and _tiles_input(axes):
         # every x in at most one window: the indices are distinct, MaxUnpool writes dy at them
         return e.MaxUnpool(dy, indices, e.Shape(x), kernel_shape=[a.kernel for a in axes],
                            strides=[a.stride for a in axes], pads=[a.begin for a in axes] + [a.end for a in axes])
     d = dims_of(x)
     static = d is not None and is_static(*d)
     numel = e.ints([int(np.prod(d, dtype=np.int64))]) if static else e.Reshape(e.Size(x), e.ints([1]))
-    dtype = _dtype(x, dy)
+    dtype = dtype_of(x, dy)
     # onnxruntime's CPU ScatterElements cannot add float16: accumulate 16-bit floats in float32
     acc = ir.DataType.FLOAT if dtype in HALF_TYPES else dtype
     updates = e.Reshape(dy, e.ints([-1]))
@@ -195,7 +191,7 @@ def _max_pool_taps(e, x, y, dy, axes, rank):
     if d is not None:
         known(e, routed, [d[0], n_taps] + [a.out for a in axes], dy)
     onehot = np.eye(n_taps).reshape([n_taps, 1] + [a.kernel for a in axes])
-    return _scatter_windows(e, routed, e.const(onehot, dtype=_dtype(x, dy)), axes, x)
+    return _scatter_windows(e, routed, e.const(onehot, dtype=dtype_of(x, dy)), axes, x)
 
 
 # ----------------------------------------------------------------------------- global pools

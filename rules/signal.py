@@ -15,7 +15,6 @@ the full spectrum), STFT's framing (overlap-add) and window (a product).
 from __future__ import annotations
 
 import numpy as np
-import onnx_ir as ir
 
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, optional_input
@@ -33,6 +32,7 @@ from gradbuilder.rules.sizes import (
     pad_axis,
     scalar_of,
     stack,
+    with_unit_axes,
     vec,
     zeros,
 )
@@ -66,14 +66,6 @@ def _as_parts(e, v, parts):
     return e.Slice(v, e.ints([0]), vec(e, parts), e.ints([-1]))
 
 
-def _along(e, v, trailing):
-    """1-D ``v`` reshaped to lie along an axis followed by ``trailing`` unit axes."""
-    if isinstance(trailing, int):
-        return e.Reshape(v, [-1] + [1] * trailing)
-    ones = e.ConstantOfShape(trailing, value=ir.tensor(np.array([1], dtype=np.int64)))
-    return e.Reshape(v, e.Concat(e.ints([-1]), ones, axis=0))
-
-
 def _size(e, v):
     """A scalar int input (constant or not) as a size."""
     c = constant_of(v)
@@ -97,7 +89,7 @@ def _irfft_weights(e, count, bins, trailing, like):
     k = e.Range(scalar_of(e, 0), scalar_of(e, bins), scalar_of(e, 1))
     ends = e.Or(e.Equal(k, e.ints([0])), e.Equal(e.Mul(k, e.ints([2])), vec(e, count)))
     w = e.Where(ends, const_like(e, 1.0, like), const_like(e, 2.0, like))
-    return _along(e, w, trailing)
+    return with_unit_axes(e, w, 1, trailing)
 
 
 @register("DFT", since=17)

@@ -205,6 +205,16 @@ class Dims:
 # ----------------------------------------------------------------------------- shared pieces
 
 
+def with_unit_axes(e, v, rank: int, trailing):
+    """``v`` (of rank ``rank``) followed by ``trailing`` unit axes, so that it broadcasts along
+    the axes before them; ``trailing`` is an int or a 1-element int64 tensor (an axis chosen at
+    run time)."""
+    if isinstance(trailing, int):
+        return e.Unsqueeze(v, list(range(rank, rank + trailing))) if trailing else v
+    ones = e.ConstantOfShape(trailing, value=ir.tensor(np.array([1], dtype=np.int64)))
+    return e.Reshape(v, e.Concat(e.Shape(v), ones, axis=0))
+
+
 def reshape_like(e, v, like):
     """``v`` reshaped to the shape of ``like`` (a constant shape when static). Shape(like)
     may hold zeros (empty tensors), so it is applied with allowzero=1 where the opset has it."""

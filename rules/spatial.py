@@ -32,14 +32,9 @@ import onnx_ir as ir
 from gradbuilder.errors import GradientRuleError
 from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr, constant_of, dims_of, optional_input, unknown_rank
-from gradbuilder.rules.helpers import HALF_TYPES, accumulation_type, cast_to, float_type, rank_of, text_attr, wants
+from gradbuilder.rules.helpers import HALF_TYPES, accumulation_type, cast_to, float_type, text_attr, wants
 from gradbuilder.rules.sizes import Dims, as_int64, iprod, isub, reshape_like, scalar_of, stack, vec, zeros
-
-
-def _spatial_rank(*values):
-    """The number of spatial axes: rank - 2 of the first value with a known rank."""
-    rank = rank_of(*values)
-    return None if rank is None else rank - 2
+from gradbuilder.rules.windows import spatial_rank
 
 
 # ----------------------------------------------------------------------------- rearrangements
@@ -605,7 +600,7 @@ def affine_grid(n, dys, needs, e):
     r = td[1] if td is not None and isinstance(td[1], int) else None
     if r is None:
         sd = dims_of(size)
-        r = sd[0] - 2 if sd is not None and isinstance(sd[0], int) else _spatial_rank(dy)
+        r = sd[0] - 2 if sd is not None and isinstance(sd[0], int) else spatial_rank(n, dy, required=False)
     if r is None:
         raise GradientRuleError("AffineGrid gradient: cannot tell whether the grid is 2-D or 3-D")
     # batch 2: onnxruntime's float16 AffineGrid (a function) fails for a batch of one
@@ -743,7 +738,7 @@ def grid_sample(n, dys, needs, e):
     align = int(attr(n, "align_corners", 0))
     if mode not in _OFFSETS or padding not in ("zeros", "border", "reflection"):
         raise GradientRuleError(f"GridSample '{n.name}': mode {mode} / padding_mode {padding} has no gradient rule")
-    r = _spatial_rank(x, grid, dy)
+    r = spatial_rank(n, x, grid, dy, required=False)
     gd = dims_of(grid)
     if gd is not None and isinstance(gd[-1], int):
         r = gd[-1]

@@ -50,7 +50,10 @@ class Axis:
     end: Len = 0
 
 
-def spatial_rank(n, *values) -> int:
+def spatial_rank(n, *values, required: bool = True) -> int | None:
+    """The number of spatial axes of node ``n`` (Conv, pooling, a grid op): rank - 2 of the
+    first of ``values`` whose rank is known, else the length of its kernel_shape, strides or
+    dilations, or half its pads; else None, or with ``required`` the unknown-rank error."""
     for v in values:
         d = dims_of(v) if v is not None else None
         if d is not None:
@@ -62,6 +65,8 @@ def spatial_rank(n, *values) -> int:
     pads = attr(n, "pads")
     if pads:
         return len(pads) // 2
+    if not required:
+        return None
     raise unknown_rank(values[0], n.op_type)
 
 
