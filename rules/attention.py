@@ -369,24 +369,8 @@ def _inline_modifier(e, n, name, x):
     g = a.value.clone(allow_outer_scope_values=True)
     if len(g.inputs) != 1 or len(g.outputs) != 1:
         raise GradientRuleError(f"FlexAttention {name} must have one input and one output")
-    for node in g:
-        node.name = e.unique(f"{e.scope}{name}/{node.name or node.op_type}")
-        for out in node.outputs:
-            out.name = e.unique(f"{e.scope}{name}/{out.name or 'out'}")
     _infer_dtypes(g, e.opset)
-    mapping = {g.inputs[0]: x}
-    for init in list(g.initializers.values()):  # the subgraph's own constants
-        mapping[init] = e.op("Constant", value=ir.AttrTensor("value", init.const_value))
-    out = g.outputs[0]
-    g.outputs.clear()
-    for inner, outer in mapping.items():
-        ir.convenience.replace_all_uses_with(inner, outer)
-    out = mapping.get(out, out)
-    nodes = list(g)
-    g.remove(nodes)
-    for node in nodes:
-        e.graph.append(node)
-        e.nodes.append(node)
+    (out,), nodes = e.inline(g, {g.inputs[0]: x}, prefix=f"{name}/")
     return out, nodes
 
 

@@ -163,14 +163,12 @@ def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter, n_inputs: int)
             f"path from the weights to the loss. Remove it from that path, mark its inputs as "
             f"stop-gradient, or register a rule. Supported ops: {supported}"
         )
-    e.scope = f"{node.name or node.op_type}/grad/"
     try:
-        grads = list(entry.fn(node, dys, needs, e))
+        with e.scoped(f"{node.name or node.op_type}/grad/"):
+            grads = list(entry.fn(node, dys, needs, e))
     except (GradientRuleError, UnsupportedOpError) as exc:
         raise type(exc)(f"node {node_label(node)} (op_type={node.op_type}, domain='{node.domain or 'ai.onnx'}', "
                         f"opset={opset}): {exc}") from exc
-    finally:
-        e.scope = ""
     if len(grads) > n_inputs:
         raise GradientRuleError(
             f"rule for {node.op_type} returned {len(grads)} gradients for {n_inputs} inputs "

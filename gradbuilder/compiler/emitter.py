@@ -4,6 +4,8 @@ inference records what each new value is."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import onnx_ir as ir
 
@@ -51,12 +53,15 @@ class Emitter:
     ``ones_like``, ``unbroadcast`` (reverse broadcasting), ``if_``, ``const``/``scalar``/``ints``.
     ``typed`` records a value's dtype and shape where the emitter's light inference cannot;
     ``used_names`` is the set of names taken in the model (shared with child emitters).
+    ``scope`` prefixes the names of what it emits (``with e.scoped(prefix):`` for a block);
+    ``place_before(node)`` moves what it has emitted to just before ``node`` (a pass that
+    rewrites a node in place); ``inline(graph, bindings)`` emits a subgraph's nodes here.
     """
 
-    def __init__(self, graph: ir.Graph, opset: int, used_names: set[str] | None = None):
+    def __init__(self, graph: ir.Graph, opset: int, used_names: set[str] | None = None, scope: str = ""):
         self.graph = graph
         self.opset = opset
-        self.scope = ""
+        self.scope = scope
         self.used_names = used_names if used_names is not None else collect_names(graph)
         self._counter = 0
         self._consts: dict[tuple, ir.Value] = {}
@@ -68,6 +73,42 @@ class Emitter:
         sub = Emitter(graph, self.opset, self.used_names)
         sub.scope = self.scope
         return sub
+
+    @contextlib.contextmanager
+    def scoped(self, prefix: str):
+        """Names of the nodes emitted in the block start with ``prefix``."""
+        outer, self.scope = self.scope, prefix
+        try:
+            yield self
+        finally:
+            self.scope = outer
+
+    def place_before(self, node: ir.Node) -> None:
+        """Move every node emitted so far to just before ``node`` of the same graph, in order."""
+        self.graph.remove(self.nodes)
+        self.graph.insert_before(node, self.nodes)
+
+    def inline(self, graph: ir.Graph, bindings: dict, prefix: str = "") -> tuple[list[ir.Value], list[ir.Node]]:
+        """``graph``'s nodes emitted here (``graph`` is consumed: pass a clone), named under the
+        scope and ``prefix``, its inputs read as ``bindings`` (its value -> a value here), its
+        initializers as Constant nodes: (its outputs as values here, the nodes emitted)."""
+        for node in graph:
+            node.name = self.unique(f"{self.scope}{prefix}{node.name or node.op_type}")
+            for out in node.outputs:
+                out.name = self.unique(f"{self.scope}{prefix}{out.name or 'out'}")
+        mapping = dict(bindings)
+        for init in list(graph.initializers.values()):  # the subgraph's own constants
+            mapping[init] = self.op("Constant", value=ir.AttrTensor("value", init.const_value))
+        outputs = list(graph.outputs)
+        graph.outputs.clear()
+        for inner, outer in mapping.items():
+            ir.convenience.replace_all_uses_with(inner, outer)
+        nodes = list(graph)
+        graph.remove(nodes)
+        for node in nodes:
+            self.graph.append(node)
+            self.nodes.append(node)
+        return [mapping.get(o, o) for o in outputs], nodes
 
     # names ---------------------------------------------------------------------------
     def unique(self, hint: str) -> str:

@@ -214,8 +214,7 @@ def append_loss(
     for key, tensor in initializers.items():
         weights[key] = _graph_initializer(tensor)
         graph.register_initializer(weights[key])
-    e = Emitter(graph, opset)
-    e.scope = f"{loss_name}/"
+    e = Emitter(graph, opset, scope=f"{loss_name}/")
     e.reserve(loss_name)
     x, dtype = _value_named(graph, output), ir.DataType(out_type.tensor_type.elem_type)
     if kind in _CLASS_KINDS:

@@ -73,8 +73,8 @@ def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
     targets = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if _rewritten(n, deterministic)]
     for node in targets:
         graph = node.graph
-        e = Emitter(graph, ctx.opset, ctx.emitter.used_names)  # fresh: no constants cached elsewhere
-        e.scope = f"{node.name or node.op_type}/"
+        # fresh: no constants cached elsewhere
+        e = Emitter(graph, ctx.opset, ctx.emitter.used_names, scope=f"{node.name or node.op_type}/")
         data, idx, upd = node.inputs
         if node.op_type == "ScatterElements":
             out = _elements_add(e, node)
@@ -88,8 +88,7 @@ def scatter_reductions_race_free(model: ir.Model, ctx) -> None:
             else:
                 out = view.restore(e.ScatterElements(view.data, e.Expand(e.Reshape(view.rows, [-1, 1]), view.one_rest),
                                                      view.updates, axis=0, reduction=_reduction(node)))
-        graph.remove(e.nodes)
-        graph.insert_before(node, e.nodes)
+        e.place_before(node)
         old = node.outputs[0]
         name = old.name
         old.name = ctx.unique(f"{name}_scattered")
@@ -220,13 +219,11 @@ def _scale_before_gather(ctx, gathered: ir.Value, table: ir.Value, place: ir.Val
             scale = reader.inputs[1] if reader.inputs[0] is value else reader.inputs[0]
             if dims_of(scale) != () or scale is value or scale.dtype != table.dtype:
                 continue
-            e = Emitter(reader.graph, ctx.opset, ctx.emitter.used_names)
-            e.scope = f"{reader.name or 'Mul'}/"
+            e = Emitter(reader.graph, ctx.opset, ctx.emitter.used_names, scope=f"{reader.name or 'Mul'}/")
             scaled = e.Gather(e.Mul(table, scale), place, axis=0)
             for shape in shapes:
                 scaled = e.Reshape(scaled, shape)
-            reader.graph.remove(e.nodes)
-            reader.graph.insert_before(reader, e.nodes)
+            e.place_before(reader)
             product = reader.outputs[0]
             scaled.dtype, scaled.shape = product.dtype, product.shape
             product.replace_all_uses_with(scaled, replace_graph_outputs=True)
