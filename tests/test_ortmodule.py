@@ -614,7 +614,7 @@ def test_a_fixed_size_the_checks_miss_recompiles_when_onnxruntime_fails(monkeypa
     import gradbuilder.ortmodule.export as export_module
 
     _quiet()
-    monkeypatch.setattr(export_module, "_fixed_sizes", lambda model, sizes: None)
+    monkeypatch.setattr(export_module, "fixed_sizes", lambda model, sizes: None)
     torch.manual_seed(0)
     ref = Encoder()
     om = ORTModule(copy.deepcopy(ref))

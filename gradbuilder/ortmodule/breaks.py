@@ -30,7 +30,9 @@ from ..compiler.cuts import constant_nodes, constants_read, inferred_types
 from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import ExportError
 from .compiled import ORTFunction
-from .export import BREAK, STOP_DOMAIN, Exported, FunctionCall
+from .export import Exported
+from .function_calls import BREAK, FunctionCall
+from .stops import STOP_DOMAIN
 from .options import logger
 
 

@@ -74,7 +74,7 @@ def _index_add(g, self, dim, index, source, alpha=None):
 
 class _Conversions(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # one line runs every call (see export._GradientStops: the exporter needs it so)
+        # one line runs every call (see stops.GradientStops: the exporter needs it so)
         return _CONVERTED.get(func, func)(*args, **(kwargs or {}))
 
 
