@@ -17,12 +17,12 @@ import pytest
 
 from gradbuilder import GradientGraphBuilder, files
 from gradbuilder.runtime import checkpoint
-from gradbuilder.compiler import modelio
 from gradbuilder.training.artifacts import export_model_for_inferencing, generate_artifacts
 from gradbuilder.errors import OutputError
 
 from .helpers import linear_model, make_model, tensor, tree, vi
 from .test_session import session
+from gradbuilder.compiler.detached import DetachedModel
 
 
 def wide_model():
@@ -73,7 +73,7 @@ def chunks_then_sigint(self):
             sigint()
 
 
-original_chunks = modelio.DetachedModel._chunks
+original_chunks = DetachedModel._chunks
 
 
 def with_state(version):
@@ -113,7 +113,7 @@ def test_sigint_during_save_leaves_no_trace(tmp_path, monkeypatch, built, traine
     if point == "fsync":
         monkeypatch.setattr(os, "fsync", interrupting(os.fsync))
     elif point == "chunks":
-        monkeypatch.setattr(modelio.DetachedModel, "_chunks", chunks_then_sigint)
+        monkeypatch.setattr(DetachedModel, "_chunks", chunks_then_sigint)
     else:
         module, name = point.rsplit(".", 1)
         monkeypatch.setattr(importlib.import_module(module), name, interrupting(getattr(importlib.import_module(module), name)))

@@ -39,7 +39,7 @@ def child(name: str, folder: str, every: int, rounds: int) -> dict:
     from onnx import TensorProto, helper
 
     from gradbuilder import TrainingParameters, TrainingSession
-    from gradbuilder.compiler.modelio import DetachedModel
+    from gradbuilder.compiler.detached import DetachedModel
     from gradbuilder.runtime.periodic import CheckpointSeries
 
     width, layers, optimizer = MODELS[name]

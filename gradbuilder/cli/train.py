@@ -30,6 +30,7 @@ from .common import (
     progress,
 )
 from .train_checks import check_model_names, check_train_options, evaluate, load_arrays
+from ..compiler.detached import DetachedModel
 
 log = logging.getLogger("gradbuilder.cli")
 
@@ -122,7 +123,7 @@ def _cmd_train(args) -> int:
     model, large = modelio.load_detached(args.model)  # large tensors apart: a model over 2 GB trains too
     model, loss_name = _with_loss(args, model)
     keep = check_model_names(args, model, loss_name, data, evaluation)
-    session = TrainingSession(modelio.DetachedModel(model, large), _parameters(args, model, loss_name),
+    session = TrainingSession(DetachedModel(model, large), _parameters(args, model, loss_name),
                               providers=_PROVIDERS[args.device])
     del large
     done = _start(args, session)

@@ -18,6 +18,7 @@ from .autodiff import differentiate
 from .passes import guarded, named_output
 from .values import FLOAT_TYPES, dims_of
 from .emitter import Emitter
+from .detached import DetachedModel
 
 KEYWORD_FORM = "GradientGraphBuilder(model, weights=[...], outputs=[...], loss='...')"
 
@@ -103,7 +104,7 @@ class GradientGraphBuilder:
         # Sizes for the graph inputs' unknown dims ({input: shape}): a graph built for those
         # shapes only, every shape computation folded away.
         self.input_shapes: dict[str, list[int]] = {}
-        self._result: modelio.DetachedModel | None = None
+        self._result: DetachedModel | None = None
 
     # ----------------------------------------------------------------------------- build
     def build(self) -> "GradientGraphBuilder":
@@ -129,7 +130,7 @@ class GradientGraphBuilder:
         self._differentiate(model)
         t2 = time.perf_counter()
         _drop_inner_types(model.graph)
-        out = modelio.DetachedModel(ir.to_proto(model), weights_bytes)
+        out = DetachedModel(ir.to_proto(model), weights_bytes)
         del model
         pipeline.release()
         out.check()
@@ -265,7 +266,7 @@ class GradientGraphBuilder:
         return weights, outputs, loss
 
     # ----------------------------------------------------------------------------- results
-    def _built(self) -> modelio.DetachedModel:
+    def _built(self) -> DetachedModel:
         if self._result is None:
             raise OutputError("call build() first")
         return self._result

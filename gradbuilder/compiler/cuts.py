@@ -28,6 +28,7 @@ from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError, InvalidModelError
 from . import modelio
 from .split import SplitGraphs, build_split
+from .type_inference import value_types
 
 SYNTAX = ("cuts separated by ',', each one or more edges separated by ':', an edge 'value' or "
           "'value-consumer/consumer/...' (e.g. '1393:407-1463/1585/1707,2369:407-2439/2561/2683')")
@@ -306,7 +307,7 @@ def inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
             break
         except Exception:  # the types the model declares are still there
             continue
-    return modelio.value_types(inferred.graph)
+    return value_types(inferred.graph)
 
 
 def _stage(g: _Graph, s: int, stage: list[int | None], boundary: list[list[str]], types) -> Stage:

@@ -1,4 +1,9 @@
-"""Reading models in (bytes, path, ModelProto) and writing them out atomically."""
+"""Reading models in: bytes, a path (external data beside it), a ModelProto, onnx-graphsurgeon's
+graph, a ``DetachedModel``; unknown dim names cleared; float Constants lifted to initializers
+(``lift_constants``); the opset defaulted and normalized (``normalize``, which types every value
+through ``type_inference``); and a model loaded with its large weights apart
+(``load_detached``, giving the skeleton and the arrays a ``detached.DetachedModel`` writes
+back out)."""
 
 from __future__ import annotations
 
@@ -14,10 +19,13 @@ import onnx_ir as ir
 
 from .. import files
 from ..dtypes import FLOAT_TENSOR_TYPES
-from ..errors import InvalidModelError, ModelLoadError, OutputError
+from ..errors import InvalidModelError, ModelLoadError
+from .detached import DetachedModel
+from .type_inference import infer_types, subgraphs
 
 MIN_OPSET = 13
-TWO_GB = 2**31
+
+
 
 
 def load_proto(model, base_dir: str | os.PathLike | None = None, external: bool = True) -> onnx.ModelProto:
@@ -84,7 +92,7 @@ def _unknown_declared_dims(graph: onnx.GraphProto) -> None:
     for v in list(graph.input) + list(graph.output) + list(graph.value_info):
         _unknown_dims_of(v.type)
     for node in graph.node:
-        for g in _subgraphs(node):
+        for g in subgraphs(node):
             _unknown_declared_dims(g)
 
 
@@ -298,183 +306,10 @@ def _fill_default_axes(graph: onnx.GraphProto) -> None:
             node.attribute.append(onnx.helper.make_attribute("axes", [0, 2, 3]))
 
 
-def infer_types(proto: onnx.ModelProto) -> None:
-    """Strict type and shape inference, in place (run on the weight-free skeleton).
-
-    Data propagation (shapes computed by Shape/Gather/Concat/... at run time) finds more
-    ranks and sizes, but onnx's propagation also fails on some valid models (Unsqueeze of a
-    1-D float tensor followed by an elementwise op: it takes the tensor's dims for shape
-    data); a model that type-checks without it is then inferred without it.
-    """
-    if _untyped_loop_bodies(proto.graph):  # a first pass gives the types their inputs imply
-        _type_loop_bodies(proto.graph, onnx.shape_inference.infer_shapes(proto).graph)
-    _rank_loop_bodies(proto)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
-    except onnx.shape_inference.InferenceError:
-        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
-    _take_types(proto.graph, inferred.graph)
-
-
-_LOOPS = ("Loop", "Scan")
-
-
-def _subgraphs(node: onnx.NodeProto):
-    """The graphs of ``node``'s GRAPH and GRAPHS attributes, in attribute order (the protobuf
-    form of ``compiler.traversal.subgraphs``)."""
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
-
-
-def _loop_nodes(graph: onnx.GraphProto):
-    """(graph, node) for the Loop and Scan nodes of ``graph`` and of its subgraphs."""
-    for node in graph.node:
-        if node.op_type in _LOOPS and node.domain in ("", "ai.onnx"):
-            yield graph, node
-        for g in _subgraphs(node):
-            yield from _loop_nodes(g)
-
-
-def value_types(graph: onnx.GraphProto, types: dict | None = None) -> dict[str, onnx.TypeProto]:
-    """Value name -> type, over ``graph`` and its subgraphs (names are unique in a model)."""
-    types = {} if types is None else types
-    for t in graph.initializer:
-        types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
-    for v in list(graph.input) + list(graph.value_info) + list(graph.output):
-        types[v.name] = v.type
-    for node in graph.node:
-        for g in _subgraphs(node):
-            value_types(g, types)
-    return types
-
-
-def _rank_of(t: onnx.TypeProto | None) -> int | None:
-    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
-        return None
-    return len(t.tensor_type.shape.dim)
-
-
-def _loop_body_pairs(node: onnx.NodeProto):
-    """(body input, outer value it starts from, rank offset, body output that carries it on or
-    None, node output of its final value or None) for the tensors a Loop or Scan body
-    receives from outside."""
-    body = next(a.g for a in node.attribute if a.name == "body")
-    if node.op_type == "Loop":
-        for k, value in enumerate(body.input[2:]):
-            if 2 + k < len(node.input) and node.input[2 + k] and 1 + k < len(body.output):
-                final = node.output[k] if k < len(node.output) else None
-                yield value, node.input[2 + k], 0, body.output[1 + k].name, final
-        return
-    m = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
-    n_states = len(node.input) - m
-    for k, value in enumerate(body.input[:n_states]):
-        final = node.output[k] if k < len(node.output) else None
-        yield value, node.input[k], 0, body.output[k].name if k < len(body.output) else None, final
-    for j, value in enumerate(body.input[n_states:]):
-        yield value, node.input[n_states + j], -1, None, None  # one slice along the scanned axis
-
-
-def _rank_loop_bodies(proto: onnx.ModelProto) -> None:
-    """Declare the rank (not the sizes) of Loop and Scan body inputs that have a tensor type
-    but no shape, so shape inference reaches inside the body (onnx does not pass the shapes
-    of loop-carried values on), and of the loop's final values. A carried value keeps the
-    rank of its initial value only if the body gives it back with that rank: each assumption
-    is checked by inferring with it, and dropped when the body's output disagrees. Each pass
-    reaches one more level of nested or chained loops."""
-    refused: set[str] = set()
-    for _ in range(4):
-        if not any(v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
-                   and v.name not in refused
-                   for _, node in _loop_nodes(proto.graph) for v, *_ in _loop_body_pairs(node)):
-            return  # (no inference pass for models without such loops)
-        types = value_types(onnx.shape_inference.infer_shapes(proto).graph)
-        assumed = []
-        for graph, node in _loop_nodes(proto.graph):
-            for value, outer, offset, carried_out, final in _loop_body_pairs(node):
-                tt = value.type.tensor_type
-                rank = _rank_of(types.get(outer))
-                if (not value.type.HasField("tensor_type") or tt.HasField("shape") or value.name in refused
-                        or rank is None or rank + offset < 0):
-                    continue
-                _set_rank(tt, rank + offset)
-                assumed.append((graph, value, carried_out, final, rank + offset))
-        if not assumed:
-            return
-        checked = value_types(onnx.shape_inference.infer_shapes(proto).graph)
-        for graph, value, carried_out, final, rank in assumed:
-            if carried_out is not None and _rank_of(checked.get(carried_out)) != rank:
-                value.type.tensor_type.ClearField("shape")
-                refused.add(value.name)
-            elif final and _rank_of(checked.get(final)) is None and not any(o.name == final for o in graph.output):
-                info = graph.value_info.add()
-                info.name = final
-                info.type.tensor_type.elem_type = value.type.tensor_type.elem_type
-                _set_rank(info.type.tensor_type, rank)
-
-
-def _set_rank(tt: onnx.TypeProto.Tensor, rank: int) -> None:
-    """A shape of ``rank`` axes of unknown size."""
-    tt.shape.SetInParent()
-    for _ in range(rank):
-        tt.shape.dim.add()
-
-
-def _untyped_loop_bodies(graph: onnx.GraphProto) -> bool:
-    return any(node.op_type in ("Loop", "Scan") and node.domain in ("", "ai.onnx")
-               and any(not i.type.WhichOneof("value") for a in node.attribute if a.name == "body" for i in a.g.input)
-               for node in graph.node)
-
-
-def _type_loop_bodies(graph: onnx.GraphProto, inferred: onnx.GraphProto) -> None:
-    """Give untyped Loop/Scan body inputs (as in some ONNX function bodies) the types the
-    node's inputs imply, so shape inference can reach inside the body."""
-    types = {v.name: v.type for v in list(inferred.input) + list(inferred.value_info) + list(inferred.output)}
-    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
-    for node in graph.node:
-        if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx"):
-            continue
-        body = next(a.g for a in node.attribute if a.name == "body")
-        if all(i.type.WhichOneof("value") for i in body.input):
-            continue
-        scan_inputs = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
-        axes = next((list(a.ints) for a in node.attribute if a.name == "scan_input_axes"), [0] * scan_inputs)
-        if node.op_type == "Loop":
-            sources = [onnx.helper.make_tensor_type_proto(onnx.TensorProto.INT64, []),
-                       onnx.helper.make_tensor_type_proto(onnx.TensorProto.BOOL, [])]
-            sources += [types.get(name) for name in node.input[2:]]
-        else:
-            n_states = len(node.input) - scan_inputs
-            sources = [types.get(name) for name in node.input[:n_states]]
-            for name, axis in zip(node.input[n_states:], axes):
-                t = types.get(name)
-                if t is not None and t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
-                    t = onnx.TypeProto.FromString(t.SerializeToString())
-                    dims = t.tensor_type.shape.dim
-                    del dims[axis % len(dims)]
-                sources.append(t)
-        for value, source in zip(body.input, sources):
-            if not value.type.WhichOneof("value") and source is not None:
-                value.type.CopyFrom(source)
-
-
-def _take_types(ours: onnx.GraphProto, theirs: onnx.GraphProto) -> None:
-    """Copy the inferred value types of ``theirs`` (same nodes) into ``ours``, subgraphs too."""
-    del ours.value_info[:]
-    ours.value_info.extend(theirs.value_info)
-    for mine, inferred in zip(ours.output, theirs.output):
-        mine.CopyFrom(inferred)
-    for node, inferred_node in zip(ours.node, theirs.node):
-        for g, h in zip(_subgraphs(node), _subgraphs(inferred_node)):
-            _take_types(g, h)
-
-
 def node_reads(node: onnx.NodeProto) -> set[str]:
     """Every name ``node`` reads, its subgraphs' reads from the enclosing scopes included."""
     names = set(node.input)
-    for g in _subgraphs(node):
+    for g in subgraphs(node):
         inner = {i.name for i in g.input} | {t.name for t in g.initializer}
         for n in g.node:
             inner.update(n.output)
@@ -581,156 +416,3 @@ def _read_external(t: onnx.TensorProto, directory: Path) -> np.ndarray:
     except OSError as exc:
         raise ModelLoadError(f"could not read the external data of tensor '{t.name}' from '{path}': {exc}") from exc
     return array.reshape(tuple(t.dims))
-
-
-class DetachedModel:
-    """A model held as a weight-free skeleton proto plus its large tensors as numpy arrays
-    (whatever holds them: a session's state, arrays read from external data).
-
-    Written out without ever assembling the full proto: the skeleton (large initializers
-    left out) is serialized first, then one ``ModelProto{graph{initializer}}`` record per
-    large tensor. Protobuf parsers merge repeated occurrences of a message field, so the
-    result parses to the same model, and memory stays at one copy of the weights.
-    """
-
-    def __init__(self, skeleton: onnx.ModelProto, weights: dict[str, np.ndarray]):
-        self.skeleton = skeleton
-        names = {t.name for t in skeleton.graph.initializer}
-        self.weights = {n: v for n, v in weights.items() if n in names}  # those the graph still has
-
-    def byte_size(self) -> int:
-        return self.skeleton.ByteSize() + sum(v.nbytes + 64 for v in self.weights.values())
-
-    def _split(self):
-        """(skeleton without the detached initializers, [their metadata tensors])."""
-        head = onnx.ModelProto()
-        head.CopyFrom(self.skeleton)
-        big = [t for t in head.graph.initializer if t.name in self.weights]
-        small = [t for t in head.graph.initializer if t.name not in self.weights]
-        big = [_copy(t) for t in big]
-        del head.graph.initializer[:]
-        head.graph.initializer.extend(small)
-        return head, big
-
-    def _chunks(self):
-        """The serialized model in pieces: the skeleton, then per large tensor the encoding of
-        ``ModelProto{graph{initializer{<its metadata> raw_data}}}``, its bytes taken straight
-        from the array (never copied into a protobuf)."""
-        head, big = self._split()
-        yield head.SerializeToString()
-        for meta in big:
-            raw = _raw(self.weights[meta.name])
-            tensor = meta.SerializeToString() + _field(_RAW_DATA, raw.size)
-            initializer = _field(_INITIALIZER, len(tensor) + raw.size)
-            yield _field(_GRAPH, len(initializer) + len(tensor) + raw.size) + initializer + tensor
-            yield memoryview(raw)
-
-    def to_bytes(self) -> bytes:
-        if self.byte_size() >= TWO_GB:
-            raise OutputError("the model is over 2 GB and cannot be one byte string; use save(path)")
-        return b"".join(self._chunks())
-
-    def to_proto(self) -> onnx.ModelProto:
-        full = onnx.ModelProto()
-        full.CopyFrom(self.skeleton)
-        for t in full.graph.initializer:
-            array = self.weights.get(t.name)
-            if array is not None:
-                t.raw_data = _raw(array).tobytes()
-        return full
-
-    def check(self) -> None:
-        """onnx.checker with full_check; detached initializers are checked as typed inputs."""
-        head, big = self._split()
-        # Runtimes define some ops in the ai.onnx domain that onnx has no schema for
-        # (onnxruntime's SimplifiedLayerNormalization): check those as custom-domain nodes.
-        unknown = [n for n in head.graph.node if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)]
-        for n in unknown:
-            n.domain = "gradbuilder.unchecked"
-        if unknown:
-            head.opset_import.append(onnx.helper.make_opsetid("gradbuilder.unchecked", 1))
-        inputs = {i.name for i in head.graph.input}
-        for t in big:
-            if t.name not in inputs:
-                head.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-        try:
-            onnx.checker.check_model(head, full_check=True)
-        except Exception as exc:
-            raise OutputError(f"the generated model failed onnx.checker: {exc}") from exc
-
-    def uses_external_data(self, external_data: bool | None = None) -> bool:
-        """Whether ``save`` keeps the large tensors in a ``.data`` file: asked for, or over 2 GB."""
-        use = external_data if external_data is not None else self.byte_size() >= TWO_GB - 2**24
-        return bool(use and self.weights)
-
-    def write(self, model_file, data_file=None, data_name: str | None = None) -> None:
-        """Write the model into ``model_file`` and, given ``data_file``, its large tensors
-        into that as onnx's external data, recorded as ``data_name`` (the data file's final
-        name beside the model). Not atomic by itself: ``save`` writes temporary files with it."""
-        if data_file is None:
-            with open(model_file, "wb") as f:
-                for chunk in self._chunks():
-                    f.write(chunk)
-            return
-        head, big = self._split()
-        with open(data_file, "wb") as data:
-            for meta in big:
-                offset = data.tell()
-                raw = _raw(self.weights[meta.name])
-                data.write(raw)
-                meta.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(raw.size))):
-                    entry = meta.external_data.add()
-                    entry.key, entry.value = key, value
-        head.graph.initializer.extend(big)
-        with open(model_file, "wb") as f:
-            f.write(head.SerializeToString())
-
-    def save(self, path: str | os.PathLike, external_data: bool | None = None) -> None:
-        """Write to ``path`` atomically (``files.atomic_write``): nothing appears there unless
-        the whole write succeeds, and no temporary file stays behind.
-
-        Models over 2 GB (or with ``external_data=True``) keep their large tensors in
-        ``<name>.data`` beside the model, as onnx's external data. A path that cannot be
-        written raises OutputError naming it before anything is serialized.
-        """
-        path = files.check_output_path(path, OutputError, "output model")
-        if not self.uses_external_data(external_data):
-            with files.atomic_write(path, what="output model") as (tmp,):
-                self.write(tmp)
-            return
-        data_path = path.with_name(path.name + ".data")
-        with files.atomic_write(data_path, path, what="output model") as (tmp_data, tmp_model):
-            self.write(tmp_model, tmp_data, data_path.name)
-
-
-_RAW_DATA = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
-_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
-_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
-
-
-def _field(number: int, length: int) -> bytes:
-    """A protobuf length-delimited field's key and length (the payload follows)."""
-    out = bytearray()
-    for value in ((number << 3) | 2, length):
-        while True:
-            low, value = value & 0x7F, value >> 7
-            out.append(low | (0x80 if value else 0))
-            if not value:
-                break
-    return bytes(out)
-
-
-def _raw(array: np.ndarray) -> np.ndarray:
-    """The array's bytes, little-endian, in C order, as a flat uint8 view (a copy only when
-    the array is not already so)."""
-    array = np.ascontiguousarray(array)
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    return array.reshape(-1).view(np.uint8)
-
-
-def _copy(t: onnx.TensorProto) -> onnx.TensorProto:
-    out = onnx.TensorProto()
-    out.CopyFrom(t)
-    return out

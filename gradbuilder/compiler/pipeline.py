@@ -49,6 +49,7 @@ from .passes.store_trips import store_loop_trips
 from .passes.vector_products import vector_products_without_transpose
 from ..interface import GRADIENT
 from .emitter import Emitter
+from .type_inference import infer_types
 
 __all__ = ["Context", "Pass", "PREPARE", "FINISH", "run", "load", "values_by_name", "name_gradients",
            "opset_of", "cyclic_collection_paused", "release"]
@@ -99,7 +100,7 @@ def load(proto, wrt: list[str], quiet: bool = False) -> ir.Model:
     proto = modelio.normalize(proto)
     compat.fit_ir_version(proto, quiet=quiet)
     if expand_functions(proto, wrt, modelio.default_opset(proto)):
-        modelio.infer_types(proto)
+        infer_types(proto)
     return modelio.to_ir(proto)
 
 

@@ -21,6 +21,7 @@ from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError
 from ..training.graph import weights_of
 from .state import Identity
+from ..compiler.detached import DetachedModel
 
 _CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 
@@ -105,7 +106,7 @@ def read_model(path_or_bytes, params, base_dir=None):
     values = {w: large.pop(w) if w in large else numpy_helper.to_array(inits[w])
               for w in weights + buffers if w in inits}
     if large:  # frozen parameters: constants of the session's graphs
-        model = modelio.DetachedModel(model, large).to_proto()
+        model = DetachedModel(model, large).to_proto()
     del large
     frozen = [t.name for t in model.graph.initializer if t.name not in values and t.data_type in FLOAT_TENSOR_TYPES]
     modelio.weights_as_inputs(model, weights + buffers)  # their values live in the state only

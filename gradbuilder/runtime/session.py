@@ -38,7 +38,6 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from .. import files
-from ..compiler import modelio
 from ..errors import CheckpointError, InvalidArgumentError
 from ..interface import ACCUMULATION_STEP, GRAD_ACCUM, GRADIENT, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS, STEP, state_of
 from ..training.graph import from_parameters
@@ -49,6 +48,7 @@ from .executor import Executor, LocalExecutor, Parts, check_device, resolve_prov
 from .graphs import GraphCache, Kind
 from .model import ModelFacts, output_names, read_model
 from .state import StateStore, without_accumulation
+from ..compiler.detached import DetachedModel
 
 _SHARED = (STEP, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS)  # state shared by every weight
 
@@ -310,7 +310,7 @@ class TrainingSession:
         for n, v in values.items():  # the initializers' types; their values stay apart
             proto.graph.initializer.append(onnx.TensorProto(name=n, dims=v.shape,
                                                             data_type=onnx.helper.np_dtype_to_tensor_dtype(v.dtype)))
-        return export_model_for_inferencing(modelio.DetachedModel(proto, values), inference_model_uri,
+        return export_model_for_inferencing(DetachedModel(proto, values), inference_model_uri,
                                             graph_output_names)
 
     # ------------------------------------------------------------------ state

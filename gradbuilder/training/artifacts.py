@@ -22,6 +22,7 @@ from .stages.optimizer import initial_states
 from ..compiler.passes.running_stats import buffers_of, inference_form
 from .graph import optimizer_only_model
 from ..interface import STEP, state_of
+from ..compiler.detached import DetachedModel
 
 
 def export_model_for_inferencing(model, output_path: str | os.PathLike, output_names: Sequence[str],
@@ -42,7 +43,7 @@ def export_model_for_inferencing(model, output_path: str | os.PathLike, output_n
 
 
 def inference_model(model, output_names: Sequence[str], weights: Mapping[str, np.ndarray] | None = None,
-                    base_dir=None) -> modelio.DetachedModel:
+                    base_dir=None) -> DetachedModel:
     """What :func:`export_model_for_inferencing` writes, its large tensors kept apart (never
     in one protobuf: a model over 2 GB is written with external data)."""
     proto, large = modelio.load_detached(model, base_dir, list(weights or {}))
@@ -77,7 +78,7 @@ def inference_model(model, output_names: Sequence[str], weights: Mapping[str, np
     read = {v.name for n in ir.traversal.RecursiveGraphIterator(ir_model.graph) for v in n.inputs if v is not None}
     for v in [v for v in ir_model.graph.inputs if v.name not in read and not v.is_graph_output()]:
         ir_model.graph.inputs.remove(v)  # read only by what was dropped (e.g. the loss's labels)
-    return modelio.DetachedModel(ir.to_proto(ir_model), large)
+    return DetachedModel(ir.to_proto(ir_model), large)
 
 
 def _output_values(graph: ir.Graph, values: list[ir.Value]) -> list[ir.Value]:
@@ -162,7 +163,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     modelio.lift_constants(proto, weights)
     _check_weights(proto, weights, buffers)
     options = resolve(optimizer, optimizer_options)
-    training = GradientGraphBuilder(modelio.DetachedModel(proto, large), weights, [loss_name], loss_name,
+    training = GradientGraphBuilder(DetachedModel(proto, large), weights, [loss_name], loss_name,
                                     running_statistics=True, warn_about_model=False)  # said above
     training.build()
     inits = {t.name: t for t in proto.graph.initializer}
@@ -177,8 +178,8 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
 
     parameters = [*weights, *buffers]
     models = {"training_model.onnx": _fed(training._built(), parameters),
-              "eval_model.onnx": _fed(modelio.DetachedModel(inference_form(proto), large), parameters),
-              "optimizer_model.onnx": modelio.DetachedModel(optimizer_model, {})}
+              "eval_model.onnx": _fed(DetachedModel(inference_form(proto), large), parameters),
+              "optimizer_model.onnx": DetachedModel(optimizer_model, {})}
     for m in models.values():  # loadable by older runtimes too (onnxruntime-node, -web, mobile)
         compat.stamp_lowest_ir_version(m.skeleton)
     data = {key: names[key] + ".data" for key, m in models.items() if m.uses_external_data()}  # over 2 GB
@@ -193,7 +194,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     return {key: str(directory / name) for key, name in names.items()}
 
 
-def _fed(model: modelio.DetachedModel, parameters: Sequence[str]) -> modelio.DetachedModel:
+def _fed(model: DetachedModel, parameters: Sequence[str]) -> DetachedModel:
     """``model`` with ``parameters`` as graph inputs without initializers: a loop feeds them
     from the checkpoint (as onnxruntime-training's models read them from its checkpoint state),
     the eval model takes the trained ones, and onnxruntime has no initializer-and-input to warn
@@ -201,7 +202,7 @@ def _fed(model: modelio.DetachedModel, parameters: Sequence[str]) -> modelio.Det
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(model.skeleton)
     modelio.weights_as_inputs(skeleton, parameters)
-    return modelio.DetachedModel(skeleton, model.weights)
+    return DetachedModel(skeleton, model.weights)
 
 
 def _check_artifact_paths(artifact_directory, names: dict[str, str], model=None):

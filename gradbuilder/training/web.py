@@ -34,6 +34,7 @@ from ..compiler import modelio
 from ..errors import InvalidArgumentError
 from ..interface import ALL_FINITE, LEARNING_RATE, STEP, updated
 from .stages.optimizer import jsonable
+from ..compiler.detached import DetachedModel
 
 FORMAT = "gradbuilder-web/1"
 NAMES = ("training_model.onnx", "eval_model.onnx", "inference_model.onnx", "inference_model.onnx.data",
@@ -87,7 +88,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         attributes["max_norm_clip"] = max_grad_norm
     if attributes:
         params.optimizer_attributes_map = {w: attributes for w in weights}
-    builder = from_parameters(modelio.DetachedModel(proto, large), params, weights=weights, warn_about_model=False)
+    builder = from_parameters(DetachedModel(proto, large), params, weights=weights, warn_about_model=False)
     inits = {t.name: t for t in proto.graph.initializer}
     values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in weights + buffers}
     state = {**builder.initial_state({w: values[w] for w in weights}), **values}
@@ -95,7 +96,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     graphs = []
     for m in (builder.build()._built().skeleton, eval_model(proto)):
         modelio.weights_as_inputs(m, weights + buffers)  # fed from the state
-        graphs.append(modelio.DetachedModel(m, large).to_proto())  # with the frozen parameters' values
+        graphs.append(DetachedModel(m, large).to_proto())  # with the frozen parameters' values
     training, evaluation = graphs
     pairs = state_interface(training)
     keep = [o.name for o in proto.graph.output if o.name != loss_name] or [loss_name]
@@ -121,7 +122,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
         tmp = dict(zip(NAMES, temps))
         onnx.save(training, tmp["training_model.onnx"])
         onnx.save(evaluation, tmp["eval_model.onnx"])
-        manifest["inference"] = _inference(modelio.DetachedModel(proto, large), keep, tmp["inference_model.onnx"],
+        manifest["inference"] = _inference(DetachedModel(proto, large), keep, tmp["inference_model.onnx"],
                                            tmp["inference_model.onnx.data"], set(weights) | set(buffers))
         with open(tmp["state.safetensors"], "wb") as f:
             tensorfiles.write(f, {n: state[n] for n, _ in pairs})
@@ -149,7 +150,7 @@ def _signature(proto: onnx.ModelProto, given: set[str]) -> dict:
             "outputs": [o.name for o in proto.graph.output if not o.name.endswith(updated(""))]}
 
 
-def _inference(source: modelio.DetachedModel, keep: list[str], model_path, data_path, trained: set[str]) -> dict:
+def _inference(source: DetachedModel, keep: list[str], model_path, data_path, trained: set[str]) -> dict:
     """The inference model with every initializer in one external data file; the manifest's
     entry: the data file's name and where each trained tensor lies in it."""
     from .artifacts import inference_model
