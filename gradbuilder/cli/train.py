@@ -30,7 +30,6 @@ from .common import (
     progress,
 )
 from .train_checks import check_model_names, check_train_options, evaluate, load_arrays
-from ..compiler.detached import DetachedModel
 
 log = logging.getLogger("gradbuilder.cli")
 
@@ -117,6 +116,7 @@ def _cmd_train(args) -> int:
         logging.getLogger("gradbuilder").setLevel(logging.WARNING)
 
     from ..compiler import modelio
+    from ..compiler.detached import DetachedModel
     from ..runtime.loop import BATCHES_SEEN, fit
     from ..runtime.session import TrainingSession
 
