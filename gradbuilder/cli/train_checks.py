@@ -77,18 +77,16 @@ def _values(graph) -> set[str]:
 
 def _inputs_needed(graph, outputs) -> list[str]:
     """The graph inputs (less initializers) that computing ``outputs`` reads, subgraphs included."""
-    from onnx import AttributeProto
+    from ..compiler.traversal import proto_subgraphs
 
     producer = {o: n for n in graph.node for o in n.output if o}
     inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
 
     def read_by(node):
         yield from (i for i in node.input if i)
-        for a in node.attribute:
-            subgraphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)
-            for g in subgraphs:
-                for inner in g.node:
-                    yield from read_by(inner)
+        for g in proto_subgraphs(node):
+            for inner in g.node:
+                yield from read_by(inner)
 
     seen, todo = set(), list(outputs)
     while todo:

@@ -21,7 +21,8 @@ from .. import files
 from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidModelError, ModelLoadError
 from .detached import DetachedModel
-from .type_inference import infer_types, subgraphs
+from .traversal import proto_subgraphs
+from .type_inference import infer_types
 
 MIN_OPSET = 13
 
@@ -92,7 +93,7 @@ def _unknown_declared_dims(graph: onnx.GraphProto) -> None:
     for v in list(graph.input) + list(graph.output) + list(graph.value_info):
         _unknown_dims_of(v.type)
     for node in graph.node:
-        for g in subgraphs(node):
+        for g in proto_subgraphs(node):
             _unknown_declared_dims(g)
 
 
@@ -309,7 +310,7 @@ def _fill_default_axes(graph: onnx.GraphProto) -> None:
 def node_reads(node: onnx.NodeProto) -> set[str]:
     """Every name ``node`` reads, its subgraphs' reads from the enclosing scopes included."""
     names = set(node.input)
-    for g in subgraphs(node):
+    for g in proto_subgraphs(node):
         inner = {i.name for i in g.input} | {t.name for t in g.initializer}
         for n in g.node:
             inner.update(n.output)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Iterable, Iterator, NamedTuple
 
+import onnx
 import onnx_ir as ir
 
 from .values import FLOAT_TYPES
@@ -24,6 +25,16 @@ def subgraphs(node: ir.Node) -> list[ir.Graph]:
         elif a.type == ir.AttributeType.GRAPHS:
             graphs.extend(a.value)
     return graphs
+
+
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The protobuf form of ``subgraphs``: the graphs of ``node``'s GRAPH and GRAPHS attributes,
+    in attribute order."""
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
 
 
 def has_subgraph(node: ir.Node) -> bool:

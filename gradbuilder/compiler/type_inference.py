@@ -4,8 +4,9 @@ leaves them untyped (``infer_types``); a graph's name -> type map (``value_types
 
 from __future__ import annotations
 
-
 import onnx
+
+from .traversal import proto_subgraphs
 
 
 def infer_types(proto: onnx.ModelProto) -> None:
@@ -29,22 +30,12 @@ def infer_types(proto: onnx.ModelProto) -> None:
 _LOOPS = ("Loop", "Scan")
 
 
-def subgraphs(node: onnx.NodeProto):
-    """The graphs of ``node``'s GRAPH and GRAPHS attributes, in attribute order (the protobuf
-    form of ``compiler.traversal.subgraphs``)."""
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
-
-
 def _loop_nodes(graph: onnx.GraphProto):
     """(graph, node) for the Loop and Scan nodes of ``graph`` and of its subgraphs."""
     for node in graph.node:
         if node.op_type in _LOOPS and node.domain in ("", "ai.onnx"):
             yield graph, node
-        for g in subgraphs(node):
+        for g in proto_subgraphs(node):
             yield from _loop_nodes(g)
 
 
@@ -56,7 +47,7 @@ def value_types(graph: onnx.GraphProto, types: dict | None = None) -> dict[str, 
     for v in list(graph.input) + list(graph.value_info) + list(graph.output):
         types[v.name] = v.type
     for node in graph.node:
-        for g in subgraphs(node):
+        for g in proto_subgraphs(node):
             value_types(g, types)
     return types
 
@@ -177,5 +168,5 @@ def _take_types(ours: onnx.GraphProto, theirs: onnx.GraphProto) -> None:
     for mine, inferred in zip(ours.output, theirs.output):
         mine.CopyFrom(inferred)
     for node, inferred_node in zip(ours.node, theirs.node):
-        for g, h in zip(subgraphs(node), subgraphs(inferred_node)):
+        for g, h in zip(proto_subgraphs(node), proto_subgraphs(inferred_node)):
             _take_types(g, h)

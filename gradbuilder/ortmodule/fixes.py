@@ -12,6 +12,7 @@ import torch
 from ..compiler.modelio import to_ir
 from ..compiler.passes.running_stats import expose_running_statistics
 from ..compiler.pipeline import Context
+from ..compiler.traversal import proto_subgraphs
 
 RUNNING = "running/"
 
@@ -20,8 +21,7 @@ def drop_zero_dropouts(model: onnx.ModelProto) -> None:
     """A training-mode Dropout with a constant ratio of 0 (``nn.Dropout(0.0)``, HF configs with
     dropout off) is the identity: its readers read its input instead, so that no mask is drawn,
     saved or read."""
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in model.graph.node
-           for a in n.attribute):
+    if any(next(proto_subgraphs(n), None) is not None for n in model.graph.node):
         return  # subgraphs could read a Dropout's output by name
     constant = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
                 if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}

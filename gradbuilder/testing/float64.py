@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..compiler import modelio
 from ..dtypes import FLOAT_TENSOR_TYPES
+from ..compiler.traversal import proto_subgraphs
 
 _FLOATS = FLOAT_TENSOR_TYPES
 
@@ -52,14 +53,11 @@ def _graph64(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         if node.op_type == "Constant" and node.output[0] in keep:
             continue
+        for g in proto_subgraphs(node):
+            _graph64(g)
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
                 a.t.CopyFrom(_tensor64(a.t))
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _graph64(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    _graph64(g)
             elif a.name == _DTYPE_ATTRS.get(node.op_type) and a.i in _FLOATS:
                 a.i = TensorProto.DOUBLE
         if node.op_type == "GroupNormalization" and not any(a.name == "stash_type" for a in node.attribute):

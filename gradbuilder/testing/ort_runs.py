@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 
 from ..compiler.builder import GradientGraphBuilder
+from ..compiler.traversal import proto_subgraphs
 
 
 def ort_session(model, providers=("CPUExecutionProvider",)):
@@ -66,9 +67,8 @@ def racing_nodes(graph: onnx.GraphProto) -> list[str]:
         if node.op_type == "ScatterND" and node.domain in ("", "ai.onnx") and any(
                 a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute):
             found.append(f"{node.op_type} '{node.name}'")
-        for a in node.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                found += racing_nodes(sub)
+        for sub in proto_subgraphs(node):
+            found += racing_nodes(sub)
     return found
 
 
