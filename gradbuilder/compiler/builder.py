@@ -266,7 +266,9 @@ class GradientGraphBuilder:
         return weights, outputs, loss
 
     # ----------------------------------------------------------------------------- results
-    def _built(self) -> DetachedModel:
+    def built_model(self) -> DetachedModel:
+        """The built gradient graph as a ``DetachedModel`` (the skeleton and its large arrays,
+        not copied); ``build()`` first."""
         if self._result is None:
             raise OutputError("call build() first")
         return self._result
@@ -274,11 +276,11 @@ class GradientGraphBuilder:
     @property
     def model_proto(self) -> onnx.ModelProto:
         """The built model as a ModelProto (a fresh copy each time)."""
-        return self._built().to_proto()
+        return self.built_model().to_proto()
 
     def get_model(self) -> bytes:
         """The built model, serialized."""
-        return self._built().to_bytes()
+        return self.built_model().to_bytes()
 
     def get_graph(self):
         """The built model as an ``onnx_graphsurgeon.Graph`` (``gs.import_onnx``), for editing
@@ -297,7 +299,7 @@ class GradientGraphBuilder:
         from .. import files
 
         files.check_not_the_input(path, self._source, InvalidArgumentError, "output model")
-        self._built().save(path, external_data)
+        self.built_model().save(path, external_data)
         return str(path)
 
 

@@ -177,7 +177,7 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
                           for s, fill in initial_states(optimizer, options, np.zeros((), values[w].dtype)))
 
     parameters = [*weights, *buffers]
-    models = {"training_model.onnx": _fed(training._built(), parameters),
+    models = {"training_model.onnx": _fed(training.built_model(), parameters),
               "eval_model.onnx": _fed(DetachedModel(inference_form(proto), large), parameters),
               "optimizer_model.onnx": DetachedModel(optimizer_model, {})}
     for m in models.values():  # loadable by older runtimes too (onnxruntime-node, -web, mobile)

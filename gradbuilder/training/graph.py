@@ -197,7 +197,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
 
     def state_interface(self) -> list[tuple[str, str]]:
         """(state input, its ``.updated`` output) pairs of the built graph: see :func:`state_interface`."""
-        return state_interface(self._built().skeleton)
+        return state_interface(self.built_model().skeleton)
 
     def initial_state(self, weights: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Feeds for the first step: every optimizer state (zeros, or Adagrad's initial

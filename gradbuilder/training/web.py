@@ -94,7 +94,7 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     state = {**builder.initial_state({w: values[w] for w in weights}), **values}
 
     graphs = []
-    for m in (builder.build()._built().skeleton, eval_model(proto)):
+    for m in (builder.build().built_model().skeleton, eval_model(proto)):
         modelio.weights_as_inputs(m, weights + buffers)  # fed from the state
         graphs.append(DetachedModel(m, large).to_proto())  # with the frozen parameters' values
     training, evaluation = graphs

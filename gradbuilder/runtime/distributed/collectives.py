@@ -93,7 +93,10 @@ class Collectives:
             said.append(f"rank {', '.join(map(str, dead))} died")
         return said
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def call(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` (a collective, or a point-to-point send or receive); its
+        failure as a ``DistributedError`` that says ``what`` was being done and which rank died
+        or raised."""
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -105,7 +108,7 @@ class Collectives:
     # -- the collectives
     def all_gather_objects(self, value, what: str) -> list:
         out = [None] * self.size
-        self._call(what, self.dist.all_gather_object, out, value, group=self.group)
+        self.call(what, self.dist.all_gather_object, out, value, group=self.group)
         return out
 
     def agree(self, mine, what: str) -> list:
@@ -120,7 +123,7 @@ class Collectives:
         digest = int.from_bytes(hashlib.blake2b(pickle.dumps(mine), digest_size=8).digest(), "little", signed=True)
         mine_t = torch.tensor([digest], dtype=torch.int64)
         every = [torch.empty_like(mine_t) for _ in range(self.size)]
-        self._call(what, self.dist.all_gather, every, mine_t, group=self.group)
+        self.call(what, self.dist.all_gather, every, mine_t, group=self.group)
         if all(int(t[0]) == digest for t in every):
             return [mine] * self.size
         return self.all_gather_objects(mine, what)
@@ -130,7 +133,7 @@ class Collectives:
         flat buckets."""
         for bucket in _buckets(tensors):
             flat = _flat(bucket)
-            self._call(what, self.dist.all_reduce, flat, group=self.group)
+            self.call(what, self.dist.all_reduce, flat, group=self.group)
             flat.div_(self.size)
             _unflat(flat, bucket)
 
@@ -139,7 +142,7 @@ class Collectives:
         others' are left undefined."""
         for bucket in _buckets(tensors):
             flat = _flat(bucket)
-            self._call(what, self.dist.reduce, flat, dst=owner, group=self.group)
+            self.call(what, self.dist.reduce, flat, dst=owner, group=self.group)
             if self.topo.rank == owner:
                 flat.div_(self.size)
                 _unflat(flat, bucket)
@@ -148,7 +151,7 @@ class Collectives:
         """``src``'s values into every rank's ``tensors``."""
         for bucket in _buckets(tensors):
             flat = _flat(bucket)
-            self._call(what, self.dist.broadcast, flat, src=src, group=self.group)
+            self.call(what, self.dist.broadcast, flat, src=src, group=self.group)
             if self.topo.rank != src:
                 _unflat(flat, bucket)
 
@@ -156,14 +159,14 @@ class Collectives:
         import torch
 
         t = torch.tensor([value], dtype=torch.float64)
-        self._call(what, self.dist.all_reduce, t, group=self.group)
+        self.call(what, self.dist.all_reduce, t, group=self.group)
         return float(t[0])
 
     def send(self, tensor, dst: int, what: str) -> None:
-        self._call(what, self.dist.send, tensor.contiguous(), dst)
+        self.call(what, self.dist.send, tensor.contiguous(), dst)
 
     def recv(self, tensor, src: int, what: str) -> None:
-        self._call(what, self.dist.recv, tensor, src)
+        self.call(what, self.dist.recv, tensor, src)
 
 
 def subgroups(topo: Topology) -> tuple[Collectives, Collectives, Collectives]:

@@ -97,7 +97,7 @@ class PipelineParallel(DataParallel):
             else:
                 self._backward(env.pop(i), pending, grads)
         for work in pending[::2]:  # (send, its tensor kept alive) pairs
-            self.comm._call("sending along the pipeline", work.wait)
+            self.comm.call("sending along the pipeline", work.wait)
         loss = self._loss(losses)
         return {self.parts.facts.loss: loss}, self.reduce(grads)
 
@@ -156,7 +156,7 @@ class PipelineParallel(DataParallel):
             feeds.update({seed: to_ort(env["__seed__"]) for seed in self.split.seeds})
         for out in self.float_sends:  # the next stage sends the gradient of each float value it received
             buf = torch.empty_like(to_torch(env[out]))
-            self.comm._call(f"receiving the gradient of '{out}' from rank {self.next}", self.comm.dist.recv, buf,
+            self.comm.call(f"receiving the gradient of '{out}' from rank {self.next}", self.comm.dist.recv, buf,
                             self.next)
             if out in self.seeds:
                 feeds[self.seeds[out]] = to_ort(buf)
@@ -181,9 +181,9 @@ class PipelineParallel(DataParallel):
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = tensor.dim()
             header[1: 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            pending.append(self.comm._call("sending along the pipeline", self.comm.dist.isend, header, dst))
+            pending.append(self.comm.call("sending along the pipeline", self.comm.dist.isend, header, dst))
             pending.append(header)
-        pending.append(self.comm._call("sending along the pipeline", self.comm.dist.isend, tensor, dst))
+        pending.append(self.comm.call("sending along the pipeline", self.comm.dist.isend, tensor, dst))
         pending.append(tensor)  # kept alive until the send is done
 
     def _recv(self, name: str, elem_type: int):
@@ -191,11 +191,11 @@ class PipelineParallel(DataParallel):
         from onnx import helper
 
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        self.comm._call(f"receiving '{name}' from rank {self.prev}", self.comm.dist.recv, header, self.prev)
+        self.comm.call(f"receiving '{name}' from rank {self.prev}", self.comm.dist.recv, header, self.prev)
         shape = header[1: 1 + int(header[0])].tolist()
         dtype = torch.from_numpy(np.zeros(0, helper.tensor_dtype_to_np_dtype(elem_type))).dtype
         buf = torch.empty(shape, dtype=dtype)
-        self.comm._call(f"receiving '{name}' from rank {self.prev}", self.comm.dist.recv, buf, self.prev)
+        self.comm.call(f"receiving '{name}' from rank {self.prev}", self.comm.dist.recv, buf, self.prev)
         return buf
 
     def _loss(self, losses: list[float]):
@@ -204,7 +204,7 @@ class PipelineParallel(DataParallel):
 
         value = torch.tensor([np.mean(losses) if losses else 0.0], dtype=torch.float64)
         last = self.norm_comm.ranks[-1]
-        self.norm_comm._call("passing the loss along the pipeline", self.comm.dist.broadcast, value, src=last,
+        self.norm_comm.call("passing the loss along the pipeline", self.comm.dist.broadcast, value, src=last,
                              group=self.norm_comm.group)
         return self.parts.state.ortvalue(np.array(value[0], np.float32))
 
