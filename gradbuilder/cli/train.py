@@ -215,34 +215,31 @@ def _start(args, session) -> int:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if args.resume == "auto" or (restarted and args.checkpoint and not args.resume):
         try:
-            found = CheckpointSeries(args.checkpoint, args.keep_last).resume(session)
+            resumed = CheckpointSeries(args.checkpoint, args.keep_last).resume(session)
         except CheckpointError as exc:
             raise InvalidArgumentError(f"--resume auto: {one_line(exc)}") from None
-        if found is None:
+        if resumed is None:
             log.info("no checkpoint of %s yet: training from the start", args.checkpoint)
-            args.resume = None
-        else:
-            args.resume = str(found)
-            done = int(session.properties.get(BATCHES_SEEN, session.step * args.accumulation_steps))
-            log.info("resumed from %s at step %d (%d batches)%s", found, session.step, done,
-                     " after a restart" if restarted else "")
-            return done
-    if not args.resume:
+    elif args.resume:
+        try:
+            session.load_checkpoint(args.resume)
+        except CheckpointError as exc:  # a file named on the command line that does not fit
+            raise InvalidArgumentError(f"--resume {args.resume}: {one_line(exc)}") from None
+        resumed = args.resume
+        ignored = [f"--{k.replace('_', '-')}" for k in _RESUMED if getattr(args, k) is not None]
+        if ignored:
+            warnings.warn(f"{' '.join(ignored)} are ignored with --resume: the checkpoint's learning rate, schedule "
+                          "and data order continue", UserWarning, stacklevel=1)
+    else:
+        resumed = None
+    if resumed is None:
         session.set_learning_rate(args.lr if args.lr is not None else 1e-3)
         if args.scheduler:
             session.register_scheduler(args.scheduler, **_scheduler_args(args))
         return 0
-    try:
-        session.load_checkpoint(args.resume)
-    except CheckpointError as exc:  # a file named on the command line that does not fit
-        raise InvalidArgumentError(f"--resume {args.resume}: {one_line(exc)}") from None
     done = int(session.properties.get(BATCHES_SEEN, session.step * args.accumulation_steps))
-    log.info("resumed from %s at step %d (%d batches), learning rate %g", args.resume, session.step, done,
-             session.get_learning_rate())
-    ignored = [f"--{k.replace('_', '-')}" for k in _RESUMED if getattr(args, k) is not None]
-    if ignored:
-        warnings.warn(f"{' '.join(ignored)} are ignored with --resume: the checkpoint's learning rate, schedule "
-                      "and data order continue", UserWarning, stacklevel=1)
+    log.info("resumed from %s at step %d (%d batches), learning rate %g%s", resumed, session.step, done,
+             session.get_learning_rate(), " after a restart" if restarted else "")
     return done
 
 
