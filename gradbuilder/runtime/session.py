@@ -431,8 +431,8 @@ class TrainingSession:
                                                                  f"{os.fspath(path)}")
         if tensors is None:
             return None
-        if copy:
-            tensors = {n: np.array(v.numpy() if isinstance(v, ort.OrtValue) else v, copy=True)
+        if copy:  # the state's own memory copied; a distributed gather's arrays are copies already
+            tensors = {n: np.array(v.numpy(), copy=True) if isinstance(v, ort.OrtValue) else v
                        for n, v in tensors.items()}
         metadata = {
             "model": self._facts.identity.model,
