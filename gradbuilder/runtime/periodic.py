@@ -39,10 +39,8 @@ class CheckpointSeries:
         self.background = background
         self._writer: threading.Thread | None = None
         self._failed: BaseException | None = None
-        suffix = self.path.suffix
-        stem = self.path.name[: len(self.path.name) - len(suffix)] if suffix else self.path.name
-        self._stem, self._suffix = stem, suffix
-        self._numbered = re.compile(re.escape(stem) + r"\.update(\d{8,})" + re.escape(suffix) + "$")
+        self._stem, self._suffix = self.path.stem, self.path.suffix
+        self._numbered = re.compile(re.escape(self._stem) + r"\.update(\d{8,})" + re.escape(self._suffix) + "$")
 
     def at(self, update: int) -> Path:
         """The periodic checkpoint written after ``update`` optimizer updates."""
