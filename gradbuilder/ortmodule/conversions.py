@@ -57,13 +57,11 @@ def _index_add(g, self, dim, index, source, alpha=None):
 
     dim = sh._get_const(dim, "i", "dim")
     rank = sh._get_tensor_rank(self)
-    if rank is None:
-        return sh._unimplemented("index_add", "a tensor of unknown rank", self)
-    dim = dim % max(rank, 1)
+    if not rank:  # unknown, or a 0-d tensor (torch requires ``source`` of the same rank)
+        return sh._unimplemented("index_add", "a tensor of unknown rank or rank 0", self)
+    dim = dim % rank
     if alpha is not None and not sh._is_none(alpha):
         source = g.op("Mul", source, g.op("CastLike", alpha, source))
-    if sh._get_tensor_rank(source) != rank:  # a 0-d source or index
-        source = g.op("Reshape", source, g.op("Shape", self)) if rank == 0 else source
     # the index along ``dim``, broadcast over the other axes of ``source``
     shape = [1] * rank
     shape[dim] = -1
