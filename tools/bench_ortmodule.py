@@ -154,11 +154,16 @@ def llm(name: str, seq: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def the_compiled(model: ORTModule):
+    """The forward and backward graphs of ``model``'s one export (of its first batch shape, for
+    an export that holds for the traced sizes only)."""
+    (compiled,) = model._compiled.values()
+    return next(iter(compiled.values())) if isinstance(compiled, dict) else compiled
+
+
 def graph_nodes(model: ORTModule) -> int:
     """Nodes (Constants left out) of the forward and backward graphs of ``model``'s one export."""
-    (compiled,) = model._compiled.values()
-    if isinstance(compiled, dict):  # an export that holds for the traced sizes only: one per batch shape
-        compiled = next(iter(compiled.values()))
+    compiled = the_compiled(model)
     return sum(sum(n.op_type != "Constant" for n in g.graph.node)
                for g in (compiled.split.forward, compiled.split.backward))
 
@@ -178,9 +183,7 @@ def profiled_nodes(module: torch.nn.Module, batches, threads: int, lm: bool) -> 
     trainer = Trainer(ORTModule(copy.deepcopy(module), session_options=so), batches, "cpu", lm)
     for _ in range(3):
         trainer.step()
-    (compiled,) = trainer.model._compiled.values()
-    if isinstance(compiled, dict):
-        compiled = next(iter(compiled.values()))
+    compiled = the_compiled(trainer.model)
     counts = collections.Counter()
     for graph in (compiled.forward_graph, compiled.backward_graph):
         counts += last_run_nodes(graph.session.end_profiling())[0]
