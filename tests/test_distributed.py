@@ -31,14 +31,21 @@ RTOL = 1e-5
 
 
 # ---------------------------------------------------------------------------- models and data
-def mlp_model() -> onnx.ModelProto:
+def mlp_model(widths=(32, 16), scale: float = 0.3) -> onnx.ModelProto:
+    """x [batch, 8] through Gemm + Relu layers of ``widths`` to 4 logits, cross-entropy against
+    y; weights and biases drawn from seed 0 times ``scale``."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
-             for n, s in [("W1", (8, 32)), ("B1", (32,)), ("W2", (32, 16)), ("B2", (16,)), ("W3", (16, 4)), ("B3", (4,))]]
-    nodes = [helper.make_node("Gemm", ["x", "W1", "B1"], ["h1"]), helper.make_node("Relu", ["h1"], ["a1"]),
-             helper.make_node("Gemm", ["a1", "W2", "B2"], ["h2"]), helper.make_node("Relu", ["h2"], ["a2"]),
-             helper.make_node("Gemm", ["a2", "W3", "B3"], ["logits"]),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], reduction="mean")]
+    sizes = [8, *widths, 4]
+    inits, nodes, x = [], [], "x"
+    for i, (m, n) in enumerate(zip(sizes, sizes[1:]), 1):
+        inits += [numpy_helper.from_array((rng.standard_normal(s) * scale).astype(np.float32), name)
+                  for name, s in [(f"W{i}", (m, n)), (f"B{i}", (n,))]]
+        out = "logits" if i == len(sizes) - 1 else f"h{i}"
+        nodes.append(helper.make_node("Gemm", [x, f"W{i}", f"B{i}"], [out]))
+        if out != "logits":
+            nodes.append(helper.make_node("Relu", [out], [f"a{i}"]))
+            x = f"a{i}"
+    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], reduction="mean"))
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8]),
                                              helper.make_tensor_value_info("y", TensorProto.INT64, ["batch"])],
                               [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)

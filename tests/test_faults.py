@@ -39,19 +39,7 @@ def _files(tmp_path: Path, rows: int = 64, wide: bool = False):
 def wide_model() -> onnx.ModelProto:
     """An MLP with a hidden layer of 2^18: its checkpoint (40 MB with AdamW's states) takes long
     enough to write that a kill can land inside the write."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    hidden = 1 << 18
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.01).astype(np.float32), n)
-             for n, s in [("W1", (8, hidden)), ("B1", (hidden,)), ("W2", (hidden, 4)), ("B2", (4,))]]
-    nodes = [helper.make_node("Gemm", ["x", "W1", "B1"], ["h1"]), helper.make_node("Relu", ["h1"], ["a1"]),
-             helper.make_node("Gemm", ["a1", "W2", "B2"], ["logits"]),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], reduction="mean")]
-    graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8]),
-                                              helper.make_tensor_value_info("y", TensorProto.INT64, ["batch"])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return mlp_model(widths=(1 << 18,), scale=0.01)
 
 
 def _command(tmp_path: Path, run: str, steps: int, *extra: str) -> list[str]:

@@ -659,6 +659,18 @@ def test_an_export_needing_sizes_as_numbers_holds_per_input_shape(module, inputs
 
 
 # ----------------------------------------------------------------------------- writes into slices, grouped-query attention
+def _same_outputs_and_summed_gradients(ref, om, calls, loss=lambda out: out):
+    """Each of ``calls`` (argument tuples) gives both the same output, and the parameter
+    gradients of ``loss`` of the outputs, summed over the calls, are the same."""
+    for args in calls:
+        want, got = ref(*args), om(*args)
+        torch.testing.assert_close(got, want)
+        loss(want).backward()
+        loss(got).backward()
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+
+
 class SliceWrites(torch.nn.Module):
     """Two writes into slices of a new tensor (DeepSeek-V3's key states are built so)."""
 
@@ -681,15 +693,7 @@ class SliceWrites(torch.nn.Module):
 def test_writes_into_slices_of_a_new_tensor_keep_both(new):
     """Both writes reach the graph (one used to be dropped: a silently wrong loss), and the
     gradient goes through each to its source."""
-    ref, om = _pair(SliceWrites(new))
-    for rows in (3, 5):
-        x = torch.randn(rows, 4)
-        want, got = ref(x), om(x)
-        torch.testing.assert_close(got, want)
-        want.backward()
-        got.backward()
-    for name, g in _grads(ref).items():
-        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+    _same_outputs_and_summed_gradients(*_pair(SliceWrites(new)), [(torch.randn(rows, 4),) for rows in (3, 5)])
 
 
 class GroupedQueryAttention(torch.nn.Module):
@@ -712,17 +716,13 @@ class GroupedQueryAttention(torch.nn.Module):
 def test_grouped_query_scaled_dot_product_attention(masked, causal):
     """``enable_gqa=True`` (which torch's TorchScript exporter refuses) gives PyTorch's values
     and gradients: each key and value head serves its group of query heads."""
-    ref, om = _pair(GroupedQueryAttention(masked, causal))
-    for s in (5, 3):
-        x = torch.randn(2, s, 8)
+    def call(s):
         mask = torch.rand(2, 1, s, s) > 0.3
-        mask[..., 0] = True
-        want, got = ref(x, mask), om(x, mask)
-        torch.testing.assert_close(got, want)
-        want.square().sum().backward()
-        got.square().sum().backward()
-    for name, g in _grads(ref).items():
-        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+        mask[..., 0] = True  # every query sees a key
+        return torch.randn(2, s, 8), mask
+
+    _same_outputs_and_summed_gradients(*_pair(GroupedQueryAttention(masked, causal)), [call(5), call(3)],
+                                       loss=lambda out: out.square().sum())
 
 
 class IndexAdd(torch.nn.Module):
@@ -745,15 +745,8 @@ class IndexAdd(torch.nn.Module):
 def test_index_add_with_repeated_indices_adds_every_row(dim):
     """torch's exporter writes index_add as a scatter where the last of repeated indices wins
     (a wrong loss, with only a warning); every row is added here, as in PyTorch."""
-    ref, om = _pair(IndexAdd(dim))
-    for index in (torch.tensor([0, 2, 0, 0, 1]), torch.tensor([1, 1, 1])):
-        x = torch.randn(len(index), 4)
-        want, got = ref(x, index), om(x, index)
-        torch.testing.assert_close(got, want)
-        want.backward()
-        got.backward()
-    for name, g in _grads(ref).items():
-        torch.testing.assert_close(_grads(om.module)[name], g, msg=name)
+    indices = (torch.tensor([0, 2, 0, 0, 1]), torch.tensor([1, 1, 1]))
+    _same_outputs_and_summed_gradients(*_pair(IndexAdd(dim)), [(torch.randn(len(i), 4), i) for i in indices])
 
 
 class EveryRowOfAParameter(torch.nn.Module):
