@@ -164,7 +164,7 @@ def _call_rule(node: ir.Node, dys, needs, opset: int, e: Emitter, n_inputs: int)
             f"stop-gradient, or register a rule. Supported ops: {supported}"
         )
     try:
-        with e.scoped(f"{node.name or node.op_type}/grad/"):
+        with e.scoped(f"{node.name or node.op_type}/grad/"), e.math():
             grads = list(entry.fn(node, dys, needs, e))
     except (GradientRuleError, UnsupportedOpError) as exc:
         raise type(exc)(f"node {node_label(node)} (op_type={node.op_type}, domain='{node.domain or 'ai.onnx'}', "

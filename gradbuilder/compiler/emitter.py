@@ -1,6 +1,6 @@
 """The opset-aware emitter that rules and passes write nodes with: ``e.Mul(a, b)`` emits a
-``Mul`` node; helpers hide opset differences and reverse broadcasting; a light type and shape
-inference records what each new value is."""
+``Mul`` node, and inside ``with e.math():`` so does ``a * b``; helpers hide opset differences
+and reverse broadcasting; a light type and shape inference records what each new value is."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ class Emitter:
     ``scope`` prefixes the names of what it emits (``with e.scoped(prefix):`` for a block);
     ``place_before(node)`` moves what it has emitted to just before ``node`` (a pass that
     rewrites a node in place); ``inline(graph, bindings)`` emits a subgraph's nodes here.
+    ``with e.math():`` lets values be written as math (``+ - * / ** @``, unary minus, Python
+    numbers typed like the other operand): ``dy * (1 - y * y)`` emits Mul, Sub, Mul here.
     """
 
     def __init__(self, graph: ir.Graph, opset: int, used_names: set[str] | None = None, scope: str = ""):
@@ -66,13 +68,27 @@ class Emitter:
         self._counter = 0
         self._consts: dict[tuple, ir.Value] = {}
         self.nodes: list[ir.Node] = []
+        self.outer: tuple[ir.Graph, ...] = ()  # the graphs around ``graph`` whose values it may read
 
     def child(self, graph: ir.Graph) -> "Emitter":
         """An emitter for a subgraph (a control-flow body): names stay unique across scopes;
         constants are the subgraph's own."""
         sub = Emitter(graph, self.opset, self.used_names)
         sub.scope = self.scope
+        sub.outer = (self.graph, *self.outer)
         return sub
+
+    @contextlib.contextmanager
+    def math(self):
+        """In the block, ``+ - * / ** @`` and unary minus on values emit Add Sub Mul Div Pow
+        MatMul Neg here; a Python number is a constant of the other operand's dtype. A value of
+        a graph this one cannot read (a subgraph's, while its parent's math is on) is an error:
+        use the subgraph emitter's own ``math()``."""
+        outer = ir.set_value_magic_handler(_Math(self))
+        try:
+            yield self
+        finally:
+            ir.set_value_magic_handler(outer)
 
     @contextlib.contextmanager
     def scoped(self, prefix: str):
@@ -514,6 +530,66 @@ def _attr(name: str, v) -> ir.Attr:
     if isinstance(v, ir.Graph):
         return ir.AttrGraph(name, v)
     return ir.convenience.convert_attribute(name, v)
+
+
+class _Math:
+    """onnx_ir's handler of arithmetic on values (``ir.set_value_magic_handler``), emitting
+    through one emitter."""
+
+    def __init__(self, e: Emitter):
+        self.e = e
+
+    def _operands(self, op: str, a, b):
+        if not isinstance(a, ir.Value) and not isinstance(b, ir.Value):
+            raise GradientRuleError(f"{op} of two numbers: one operand must be a graph value")
+        a = a if isinstance(a, ir.Value) else self.e.scalar(a, b)
+        b = b if isinstance(b, ir.Value) else self.e.scalar(b, a)
+        for v in (a, b):
+            self._check_graph(v, op)
+        return a, b
+
+    def _check_graph(self, v: ir.Value, op: str) -> None:
+        g = v.graph
+        if g is not None and g is not self.e.graph and g not in self.e.outer:
+            raise GradientRuleError(f"{op} reads '{v.name}', a value of a graph this emitter cannot read "
+                                    "(a subgraph's): write it inside that subgraph emitter's math()")
+
+    def Add(self, a, b):  # noqa: N802 (the handler's protocol names)
+        return self.e.Add(*self._operands("Add", a, b))
+
+    def Sub(self, a, b):  # noqa: N802
+        return self.e.Sub(*self._operands("Sub", a, b))
+
+    def Mul(self, a, b):  # noqa: N802
+        return self.e.Mul(*self._operands("Mul", a, b))
+
+    def Div(self, a, b):  # noqa: N802
+        return self.e.Div(*self._operands("Div", a, b))
+
+    def Pow(self, a, b):  # noqa: N802
+        return self.e.Pow(*self._operands("Pow", a, b))
+
+    def MatMul(self, a, b):  # noqa: N802
+        return self.e.MatMul(*self._operands("MatMul", a, b))
+
+    def Neg(self, a):  # noqa: N802
+        self._check_graph(a, "Neg")
+        return self.e.Neg(a)
+
+
+def _install_power_and_matmul() -> None:
+    """onnx_ir's arithmetic hook covers ``+ - * /`` and unary minus; ``**`` and ``@`` go
+    through the same handler."""
+    base = next(c for c in ir.Value.__mro__ if "__add__" in vars(c))  # the class holding the hook
+    if "__pow__" in vars(base):
+        return
+    base.__pow__ = lambda self, other: self._get_magic_handler().Pow(self, other)
+    base.__rpow__ = lambda self, other: self._get_magic_handler().Pow(other, self)
+    base.__matmul__ = lambda self, other: self._get_magic_handler().MatMul(self, other)
+    base.__rmatmul__ = lambda self, other: self._get_magic_handler().MatMul(other, self)
+
+
+_install_power_and_matmul()
 
 
 def collect_names(graph: ir.Graph) -> set[str]:
