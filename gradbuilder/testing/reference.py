@@ -54,12 +54,26 @@ def reference_fixes() -> tuple:
     windows in Python), LpNormalization (|x|**p), MeanVarianceNormalization,
     CausalConvWithState, in function bodies too; and Scan and Loop, which onnx's evaluator runs only along axis 0
     forwards, and stacks wrongly, respectively."""
+    return (*_float64_kernels(),
+            *_deterministic_and_renamed_kernels(),
+            *_pooling_kernels(),
+            *_normalization_kernels(),
+            *_control_flow_classes(),
+            _widened("op_linear_attention", "LinearAttention"),
+            _widened("op_causal_conv_with_state", "CausalConvWithState"))
+
+
+def _float64_kernels() -> tuple:
+    """Erf, GridSample (with opset 16's mode names), AffineGrid, Adam and Resize computing in
+    the input's precision where the stock kernels round through float32."""
     import math
 
+    from onnx.reference.ops.aionnx_preview_training.op_adam import Adam as StockAdam
     from onnx.reference.ops.op_affine_grid import AffineGrid as StockAffineGrid
     from onnx.reference.ops.op_affine_grid import construct_original_grid
     from onnx.reference.ops.op_erf import Erf as StockErf
     from onnx.reference.ops.op_grid_sample import GridSample as StockGridSample
+    from onnx.reference.ops.op_resize import Resize as StockResize
 
     class Erf(StockErf):  # new_ops are matched by class name
         op_domain = ""
@@ -85,8 +99,6 @@ def reference_fixes() -> tuple:
             base = construct_original_grid(list(size[2:]), align_corners or self.align_corners)
             return (np.einsum("nij,...j->n...i", theta, base).astype(theta.dtype),)
 
-    from onnx.reference.ops.aionnx_preview_training.op_adam import Adam as StockAdam
-
     class Adam(StockAdam):  # the stock multi-group path rounds to float32
         op_domain = "ai.onnx.preview.training"
 
@@ -94,8 +106,6 @@ def reference_fixes() -> tuple:
             n = (len(data) - 2) // 4
             groups = [self._run1(*data[:2], *data[2 + i::n][:4], **kw) for i in range(n)]
             return tuple(g[k] for k in range(3) for g in groups)
-
-    from onnx.reference.ops.op_resize import Resize as StockResize
 
     class Resize(StockResize):  # the stock one keeps cubic_coeff_a float32 under NumPy 2
         op_domain = ""
@@ -105,7 +115,14 @@ def reference_fixes() -> tuple:
             kwargs["cubic_coeff_a"] = float(self.cubic_coeff_a if a is None else a)
             return super()._run(X, roi, scales, sizes, **kwargs)
 
+    return Erf, GridSample, AffineGrid, Adam, Resize
+
+
+def _deterministic_and_renamed_kernels() -> tuple:
+    """Dropout without a seed drawing one fixed mask (finite differences then see one function),
+    and Scatter, the deprecated name of ScatterElements that onnx's evaluator lacks."""
     from onnx.reference.ops.op_dropout import Dropout_12
+    from onnx.reference.ops.op_scatter_elements import ScatterElements
 
     class Dropout(Dropout_12):  # unseeded: one fixed draw, so finite differences see one function
         op_domain = ""
@@ -116,11 +133,15 @@ def reference_fixes() -> tuple:
             seed = seed if seed is not None else getattr(self, "seed", None)
             return super()._run(*inputs, seed=0 if seed is None else seed)
 
-    from onnx.reference.ops.op_scatter_elements import ScatterElements
-
     class Scatter(ScatterElements):  # the deprecated name of ScatterElements (opsets 9, 10)
         op_domain = ""
 
+    return Dropout, Scatter
+
+
+def _pooling_kernels() -> tuple:
+    """MaxPool, AveragePool and LpPool over all windows at once (:func:`_pool_windows`), with
+    MaxPool's Indices as the spec and onnxruntime compute them."""
     from onnx.reference.op_run import OpRun
 
     class MaxPool(OpRun):  # the stock Indices miss the channel offset with unit strides
@@ -150,6 +171,13 @@ def reference_fixes() -> tuple:
                                           dilations, pads, strides, count_include_pad=1)
             return ((int(np.prod(kernel_shape)) * mean) ** (1.0 / p)).astype(x.dtype),
 
+    return MaxPool, AveragePool, LpPool
+
+
+def _normalization_kernels() -> tuple:
+    """LpNormalization of |x|**p (the stock one sums x**p) and MeanVarianceNormalization in the
+    input's precision (its function body adds a float32 epsilon)."""
+    from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_lp_normalization import LpNormalization as StockLpNormalization
 
     class LpNormalization(StockLpNormalization):  # the stock one sums x**p, not |x|**p
@@ -170,13 +198,7 @@ def reference_fixes() -> tuple:
             std = np.sqrt((x * x).mean(axis=axes, keepdims=True) - mean * mean)
             return ((x - mean) / (std + x.dtype.type(1e-9)),)
 
-    ops = [Erf, GridSample, AffineGrid, Adam, Resize, Dropout, Scatter, MaxPool, AveragePool, LpPool, LpNormalization,
-           MeanVarianceNormalization,
-           *_control_flow_classes(),
-           _widened("op_linear_attention", "LinearAttention"),
-           _widened("op_causal_conv_with_state", "CausalConvWithState")]
-
-    return tuple(ops)
+    return LpNormalization, MeanVarianceNormalization
 
 
 def _pool_windows(x, kernel_shape, auto_pad="NOTSET", ceil_mode=0, dilations=None, pads=None, strides=None,
