@@ -115,17 +115,20 @@ def _cmd_train(args) -> int:
     if not main_rank:
         logging.getLogger("gradbuilder").setLevel(logging.WARNING)
 
-    from ..compiler import modelio
-    from ..compiler.detached import DetachedModel
+    from ..compiler.builder import float_values
     from ..runtime.loop import BATCHES_SEEN, fit
     from ..runtime.session import TrainingSession
+    from ..training.loaded import LossBlock, load
 
-    model, large = modelio.load_detached(args.model)  # large tensors apart: a model over 2 GB trains too
-    model, loss_name = _with_loss(args, model)
-    keep = check_model_names(args, model, loss_name, data, evaluation)
-    session = TrainingSession(DetachedModel(model, large), _parameters(args, model, loss_name),
-                              providers=_PROVIDERS[args.device])
-    del large
+    params = _parameters(args)
+    block = LossBlock(args.loss, args.loss_output, args.target or "target", args.loss_name or "loss") if args.loss else None
+    loaded = load(args.model, params, loss=block, check=lambda proto: check_weights(args, float_values(proto)))
+    keep = check_model_names(args, loaded.proto, loaded.loss, data, evaluation)
+    params.loss_output_name = loaded.loss
+    if args.max_grad_norm is not None:
+        params.optimizer_attributes_map = {w: {"max_norm_clip": args.max_grad_norm} for w in loaded.weights}
+    session = TrainingSession(loaded, params, providers=_PROVIDERS[args.device])
+    del loaded
     done = _start(args, session)
 
     losses: list[float] = []
@@ -167,29 +170,11 @@ def _check_files(args) -> tuple[dict, dict]:
     return data, evaluation
 
 
-def _with_loss(args, model):
-    """(the model, with the loss ``--loss`` asks for appended, and the name of its loss); the
-    weights named on the command line are checked against it."""
-    from ..compiler.builder import float_values
-
-    loss_name = args.loss_name
-    if args.loss:
-        from ..training.loss import append_loss
-
-        output = args.loss_output or model.graph.output[0].name
-        loss_name = loss_name or "loss"
-        model = append_loss(model, args.loss, output, target_name=args.target or "target", loss_name=loss_name)
-    loss_name = loss_name or model.graph.output[0].name
-    check_weights(args, float_values(model))
-    return model, loss_name
-
-
-def _parameters(args, model, loss_name: str):
-    """The TrainingParameters the options ask for."""
+def _parameters(args):
+    """The TrainingParameters the options ask for (the loss named once the model is loaded)."""
     from .. import TrainingParameters
-    from ..compiler.builder import default_weights
 
-    params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=args.optimizer,
+    params = TrainingParameters(loss_output_name=args.loss_name or "", training_optimizer_name=args.optimizer,
                                 enable_grad_norm_clip=args.max_grad_norm is not None,
                                 gradient_accumulation_steps=args.accumulation_steps,
                                 deepspeed_zero_stage=args.zero_stage,
@@ -198,9 +183,6 @@ def _parameters(args, model, loss_name: str):
         params.weights_to_train = args.weights
     if args.frozen:
         params.weights_not_to_train = args.frozen
-    if args.max_grad_norm is not None:
-        weights = args.weights or [w for w in default_weights(model) if w not in (args.frozen or [])]
-        params.optimizer_attributes_map = {w: {"max_norm_clip": args.max_grad_norm} for w in weights}
     return params
 
 

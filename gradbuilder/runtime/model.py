@@ -1,5 +1,5 @@
-"""What a session knows about its model, derived once: :func:`read_model` reads the model and
-finds its weights, running statistics and frozen parameters; :class:`ModelFacts` is the record
+"""What a session knows about its model, derived once: :func:`read_model` makes the session's
+own model from the loaded one (``training.loaded``); :class:`ModelFacts` is the record
 the session, its graph cache, its executors and its exports share (the model with its state as
 inputs, the names of each kind of value, the weights' dtypes and shapes, the outputs and inputs
 a step has, the class-index inputs of its losses, and the identity a checkpoint must match)."""
@@ -12,14 +12,10 @@ from typing import Mapping
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
 
-from .. import compat
 from ..compiler import modelio
-from ..compiler.passes.running_stats import buffers_of
-from ..dtypes import FLOAT_TENSOR_TYPES
 from ..errors import InvalidArgumentError
-from ..training.graph import weights_of
+from ..training.loaded import LoadedModel
 from .state import Identity
 from ..compiler.detached import DetachedModel
 
@@ -60,10 +56,6 @@ class ModelFacts:
         type_of = _types(model)
         _check_loss(model, loss, type_of)
         labels = _class_indices(model, type_of)
-        missing = [w for w in weights if w not in values]
-        if missing:
-            raise InvalidArgumentError(f"the weights {missing} are graph inputs without an initializer; give them "
-                                       "initial values as initializers")
         initial = {**builder.initial_state(values), **values}
         fed = {t.name for t in model.graph.initializer} | set(weights) | set(buffers)
         facts = cls(model=model, weights=weights, buffers=buffers, frozen=frozen, loss=loss,
@@ -82,35 +74,17 @@ class ModelFacts:
         return {t.name: t for t in self.model.graph.initializer if t.name in self.frozen}
 
 
-def read_model(path_or_bytes, params, base_dir=None):
-    """The session's own copy of the model, read once (external data from ``base_dir``), its
-    large tensors apart: (model, weights, buffers, frozen, values). The weights' and running
-    statistics' values (read straight from their files where they are external data) leave
+def read_model(loaded: LoadedModel):
+    """The session's own model from ``loaded`` (:func:`training.loaded.load`'s): (model,
+    frozen). The weights' and running statistics' values stay in ``loaded.values`` and leave
     the model, which keeps them as graph inputs of their types; frozen parameters stay its
-    initializers."""
-    from ..compiler.tied_exports import warn_merged_parameters
-    from ..compiler.torch_exports import check_inference_export
-
-    model, large = modelio.load_detached(path_or_bytes, base_dir)
-    compat.check_for_runtime(model, strict=True)  # the graphs must load in onnxruntime
-    check_inference_export(model, params.allow_inference_export)
-    warn_merged_parameters(model)
-    weights = weights_of(model, params)
-    modelio.lift_constants(model, weights)  # weights held in Constant nodes (paddle2onnx, spox)
-    buffers = buffers_of(model)
-    inits = {t.name: t for t in model.graph.initializer}
-    no_value = [b for b in buffers if b not in inits]
-    if no_value:
-        raise InvalidArgumentError(f"the running statistics {no_value} are graph inputs without an initializer; "
-                                   "give them initial values as initializers")
-    values = {w: large.pop(w) if w in large else numpy_helper.to_array(inits[w])
-              for w in weights + buffers if w in inits}
-    if large:  # frozen parameters: constants of the session's graphs
-        model = DetachedModel(model, large).to_proto()
-    del large
-    frozen = [t.name for t in model.graph.initializer if t.name not in values and t.data_type in FLOAT_TENSOR_TYPES]
-    modelio.weights_as_inputs(model, weights + buffers)  # their values live in the state only
-    return model, weights, buffers, frozen, values
+    initializers (their large values written back in)."""
+    state = set(loaded.values)
+    frozen_large = {k: v for k, v in loaded.large.items() if k not in state}
+    model = DetachedModel(loaded.proto, frozen_large).to_proto()  # frozen parameters: constants of the graphs
+    frozen = loaded.frozen
+    modelio.weights_as_inputs(model, list(loaded.values))  # their values live in the state only
+    return model, frozen
 
 
 def output_names(model: onnx.ModelProto, loss: str) -> list[str]:

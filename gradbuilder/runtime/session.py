@@ -47,6 +47,7 @@ from . import capture, checkpoint, distributed, providers as _providers, schedul
 from .executor import Executor, LocalExecutor, Parts, check_device, resolve_providers
 from .graphs import GraphCache, Kind
 from .model import ModelFacts, output_names, read_model
+from ..training.loaded import LoadedModel, load
 from .state import StateStore, without_accumulation
 from ..compiler.detached import DetachedModel
 
@@ -54,7 +55,8 @@ _SHARED = (STEP, LOSS_SCALE, LOSS_SCALE_GOOD_STEPS)  # state shared by every wei
 
 
 class TrainingSession:
-    """Trains ``path_or_bytes`` (a forward ONNX model whose loss is ``parameters.loss_output_name``)
+    """Trains ``path_or_bytes`` (a forward ONNX model whose loss is ``parameters.loss_output_name``,
+    or a ``training.loaded.LoadedModel`` loaded with the same parameters)
     on onnxruntime. The model and ``parameters`` are never modified."""
 
     def __init__(self, path_or_bytes, parameters, sess_options: ort.SessionOptions | None = None,
@@ -66,11 +68,16 @@ class TrainingSession:
             raise InvalidArgumentError(f"parameters must be a gradbuilder.TrainingParameters, got "
                                        f"{type(parameters).__name__}")
         params = TrainingParameters.from_dict(parameters.to_dict())
-        model, weights, buffers, frozen, values = read_model(path_or_bytes, params, base_dir)
+        loaded = path_or_bytes if isinstance(path_or_bytes, LoadedModel) else load(path_or_bytes, params, base_dir,
+                                                                                    strict=True)
+        if params.loss_output_name and loaded.loss != params.loss_output_name:
+            raise InvalidArgumentError(f"the loaded model's loss is '{loaded.loss}' but TrainingParameters."
+                                       f"loss_output_name is '{params.loss_output_name}'; load it with these parameters")
+        model, frozen = read_model(loaded)
         self._builder = from_parameters(model, params, outputs=output_names(model, params.loss_output_name),
-                                        weights=weights, warn_about_model=False)  # read_model said it
-        self._facts, initial = ModelFacts.derive(model, self._builder, buffers, frozen, values)
-        del values
+                                        weights=loaded.weights, warn_about_model=False)  # load said it
+        self._facts, initial = ModelFacts.derive(model, self._builder, loaded.buffers, frozen, loaded.values)
+        del loaded
         self._sess_options = sess_options or _default_session_options()
         if params.deterministic_compute:  # onnxruntime's own choices too (CUDA's convolution algorithms)
             self._sess_options = _providers.options_with(self._sess_options, use_deterministic_compute=True)

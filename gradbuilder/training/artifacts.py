@@ -12,14 +12,13 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import numpy_helper
 
 from .. import compat, files, tensorfiles
 from ..compiler import modelio
 from ..errors import InvalidArgumentError
 from ..compiler.passes.cleanup import remove_unused_nodes
 from .stages.optimizer import initial_states
-from ..compiler.passes.running_stats import buffers_of, inference_form
+from ..compiler.passes.running_stats import inference_form
 from .graph import optimizer_only_model
 from ..interface import STEP, state_of
 from ..compiler.detached import DetachedModel
@@ -96,7 +95,7 @@ def _output_values(graph: ir.Graph, values: list[ir.Value]) -> list[ir.Value]:
     return outs
 
 
-def _plain_optimizer(name) -> str:
+def plain_optimizer(name) -> str:
     """``name`` as TrainingParameters reads it (case-insensitive; onnxruntime-training's
     SGDOptimizer, AdamOptimizer and LambOptimizer too) as our plain optimizer name."""
     from .params import TrainingParameters
@@ -133,41 +132,22 @@ def generate_artifacts(model, requires_grad: Sequence[str] | None = None, frozen
     ``base_dir``: where the model's external data files are (default: the folder of its path).
     A PyTorch export optimized for inference is refused unless ``allow_inference_export``.
     """
-    from ..compiler.builder import GradientGraphBuilder, default_weights
-    from .loss import append_loss
+    from ..compiler.builder import GradientGraphBuilder
+    from .loaded import LossBlock, load
     from .stages.optimizer import resolve
 
-    from ..compiler.tied_exports import warn_merged_parameters
-    from ..compiler.torch_exports import check_inference_export
-
-    optimizer = _plain_optimizer(optimizer)
+    optimizer = plain_optimizer(optimizer)
     names = {k: f"{prefix}{k}" for k in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
                                           "checkpoint.safetensors")}
-    directory = _check_artifact_paths(artifact_directory, names, model)
-    proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, read once
-    check_inference_export(proto, allow_inference_export)
-    warn_merged_parameters(proto)
-    compat.check_for_runtime(proto)
-    if loss is not None:
-        output = loss_output or proto.graph.output[0].name
-        proto = append_loss(proto, loss, output, target_name=target_name, loss_name="loss")
-        loss_name = "loss"
-    else:
-        loss_name = proto.graph.output[0].name
-    buffers = buffers_of(proto)
-    if isinstance(requires_grad, str):
-        raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
-    weights = list(requires_grad) if requires_grad is not None else [w for w in default_weights(proto)
-                                                                       if w not in buffers]
-    weights = [w for w in weights if w not in set(frozen_params)]
-    modelio.lift_constants(proto, weights)
-    _check_weights(proto, weights, buffers)
+    directory = check_artifact_paths(artifact_directory, names, model)
+    loaded = load(model, _parameters(requires_grad, frozen_params, allow_inference_export), base_dir,
+                  loss=LossBlock(loss, loss_output, target_name) if loss is not None else None,
+                  weights=_requires_grad(requires_grad, frozen_params), option="requires_grad")
+    proto, large, weights, buffers, values = loaded.proto, loaded.large, loaded.weights, loaded.buffers, loaded.values
     options = resolve(optimizer, optimizer_options)
-    training = GradientGraphBuilder(DetachedModel(proto, large), weights, [loss_name], loss_name,
-                                    running_statistics=True, warn_about_model=False)  # said above
+    training = GradientGraphBuilder(loaded.detached(), weights, [loaded.loss], loaded.loss,
+                                    running_statistics=True, warn_about_model=False)  # load said it
     training.build()
-    inits = {t.name: t for t in proto.graph.initializer}
-    values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in [*weights, *buffers]}
     optimizer_model = optimizer_only_model({w: values[w] for w in weights}, optimizer, options)
 
     checkpoint = {STEP: np.array(0, np.int64), **{b: values[b] for b in buffers}}
@@ -205,7 +185,7 @@ def _fed(model: DetachedModel, parameters: Sequence[str]) -> DetachedModel:
     return DetachedModel(skeleton, model.weights)
 
 
-def _check_artifact_paths(artifact_directory, names: dict[str, str], model=None):
+def check_artifact_paths(artifact_directory, names: dict[str, str], model=None):
     """The artifact directory as a Path, once it is known the artifacts can be written there,
     none of them over the input ``model`` (before anything is built)."""
     directory = files.check_output_directory(artifact_directory, what="artifact directory")
@@ -216,23 +196,21 @@ def _check_artifact_paths(artifact_directory, names: dict[str, str], model=None)
     return directory
 
 
-def _check_weights(proto: onnx.ModelProto, weights: Sequence[str], buffers: Sequence[str]) -> None:
-    """Every weight of the artifacts is an initializer: its value starts the checkpoint."""
-    inits = {t.name for t in proto.graph.initializer}
-    inputs = {i.name for i in proto.graph.input}
-    values = inits | inputs | {o for n in proto.graph.node for o in n.output}
-    for w in weights:
-        if w in buffers:
-            raise InvalidArgumentError(f"requires_grad: '{w}' is a BatchNormalization running statistic, which the "
-                                       "training model updates as a buffer; it is not trained: leave it out")
-        if w in inits:
-            continue
-        if w in inputs:
-            raise InvalidArgumentError(
-                f"requires_grad: '{w}' is a graph input without an initializer; generate_artifacts writes each "
-                "weight's initial value into checkpoint.safetensors, so give it one as an initializer, or leave it out")
-        if w in values:
-            raise InvalidArgumentError(f"requires_grad: '{w}' is computed by a node of the model; weights must be "
-                                       "initializers or float Constant outputs")
-        raise InvalidArgumentError(f"requires_grad: the model has no initializer named '{w}' (its initializers: "
-                                   f"{sorted(inits)[:8]}{' ...' if len(inits) > 8 else ''})")
+def _parameters(requires_grad, frozen_params, allow_inference_export: bool):
+    """The TrainingParameters that choose generate_artifacts' weights by default: every float
+    initializer that is not a running statistic, less ``frozen_params``."""
+    from .params import TrainingParameters
+
+    if isinstance(requires_grad, str):
+        raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
+    params = TrainingParameters(allow_inference_export=allow_inference_export)
+    if frozen_params:
+        params.weights_not_to_train = list(frozen_params)
+    return params
+
+
+def _requires_grad(requires_grad, frozen_params) -> list[str] | None:
+    """The weights named, in their order, less the frozen ones (None: the default choice)."""
+    if requires_grad is None:
+        return None
+    return [w for w in requires_grad if w not in set(frozen_params)]

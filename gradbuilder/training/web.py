@@ -55,43 +55,33 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
     ``lr`` is the learning rate the manifest starts with. Nothing is written unless every
     artifact builds. A PyTorch export optimized for inference is refused unless
     ``allow_inference_export``."""
-    from .artifacts import _check_artifact_paths, _plain_optimizer
-    from .graph import eval_model, from_parameters, state_interface, weights_of
-    from .loss import append_loss
+    from .artifacts import check_artifact_paths, plain_optimizer
+    from .graph import eval_model, from_parameters, state_interface
+    from .loaded import LossBlock, load
     from .params import TrainingParameters
-    from ..compiler.passes.running_stats import buffers_of
-    from ..compiler.torch_exports import check_inference_export
 
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr >= 0):
         raise InvalidArgumentError(f"lr must be a finite number >= 0, got {lr!r}")
-    plain = _plain_optimizer(optimizer)
-    directory = _check_artifact_paths(directory, {n: n for n in NAMES}, model)
-    proto, large = modelio.load_detached(model, base_dir)  # large tensors as arrays, never in one protobuf
-    check_inference_export(proto, allow_inference_export)
-    compat.check_for_runtime(proto)
-    if loss is not None:
-        proto = append_loss(proto, loss, loss_output or proto.graph.output[0].name, target_name=target_name,
-                            loss_name="loss")
-    loss_name = "loss" if loss is not None else proto.graph.output[0].name
-    params = TrainingParameters(loss_output_name=loss_name, training_optimizer_name=plain,
-                                enable_grad_norm_clip=max_grad_norm is not None)
+    plain = plain_optimizer(optimizer)
+    directory = check_artifact_paths(directory, {n: n for n in NAMES}, model)
+    params = TrainingParameters(training_optimizer_name=plain, enable_grad_norm_clip=max_grad_norm is not None,
+                                allow_inference_export=allow_inference_export)
     if requires_grad is not None:
         if isinstance(requires_grad, str):
             raise InvalidArgumentError(f"requires_grad is a list of names, not the string {requires_grad!r}")
         params.weights_to_train = list(requires_grad)
     if frozen_params:
         params.weights_not_to_train = list(frozen_params)
-    weights, buffers = weights_of(proto, params), buffers_of(proto)
-    modelio.lift_constants(proto, weights)
+    loaded = load(model, params, base_dir, loss=LossBlock(loss, loss_output, target_name) if loss is not None else None)
+    proto, large, weights, buffers, loss_name = loaded.proto, loaded.large, loaded.weights, loaded.buffers, loaded.loss
+    params.loss_output_name = loss_name
     attributes = dict(optimizer_options or {})
     if max_grad_norm is not None:
         attributes["max_norm_clip"] = max_grad_norm
     if attributes:
         params.optimizer_attributes_map = {w: attributes for w in weights}
-    builder = from_parameters(DetachedModel(proto, large), params, weights=weights, warn_about_model=False)
-    inits = {t.name: t for t in proto.graph.initializer}
-    values = {n: large[n] if n in large else numpy_helper.to_array(inits[n]) for n in weights + buffers}
-    state = {**builder.initial_state({w: values[w] for w in weights}), **values}
+    builder = from_parameters(loaded.detached(), params, weights=weights, warn_about_model=False)
+    state = {**builder.initial_state({w: loaded.values[w] for w in weights}), **loaded.values}
 
     graphs = []
     for m in (builder.build().built_model().skeleton, eval_model(proto)):
