@@ -121,7 +121,7 @@ class _Layout:
         if isinstance(hq, int) and isinstance(hkv, int):
             self.group = hq // hkv
         else:
-            self.group = e.Div(vec(e, hq), vec(e, hkv))
+            self.group = vec(e, hq) / vec(e, hkv)
         outs = n.outputs
         self.present_k = self._present(e, outs, 1, self.past_k, self.k4)
         self.present_v = self._present(e, outs, 2, self.past_v, self.v4)
@@ -154,7 +154,7 @@ def _scale_root(e, n, lay, like):
     d = lay.head_size
     if isinstance(d, int):
         return e.scalar(float(d) ** -0.25, like=like)
-    return e.Pow(e.CastLike(d, like), e.scalar(-0.25, like=like))
+    return e.CastLike(d, like) ** -0.25
 
 
 def _allowed(e, n, lay):
@@ -176,10 +176,10 @@ def _allowed(e, n, lay):
     if causal or left >= 0 or right >= 0:
         rows = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, lay.q_len), scalar_of(e, 1)), [-1, 1])
         if nonpad is not None and lay.past_k is None:
-            rows = e.Add(rows, e.Sub(nonpad, vec(e, lay.q_len)))  # (B, 1, Sq, 1)
+            rows = rows + (nonpad - vec(e, lay.q_len))  # (B, 1, Sq, 1)
         elif lay.past_len != 0:
-            rows = e.Add(rows, vec(e, lay.past_len))
-        diff = e.Sub(rows, cols)  # query position - key position
+            rows = rows + vec(e, lay.past_len)
+        diff = rows - cols  # query position - key position
         if causal:
             allowed.append(e.GreaterOrEqual(diff, e.ints([0])))
         if left >= 0:
@@ -211,7 +211,7 @@ def _bias(e, n, lay, like):
             pads = stack(e, [0] * (2 * md.rank - 1) + [isub(e, total, mask_len)])
             m = e.Pad(m, pads, neg_inf)
         parts.append(m)
-    bias = None if not parts else parts[0] if len(parts) == 1 else e.Add(*parts)
+    bias = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
     return bias, mask_len
 
 
@@ -247,37 +247,37 @@ def attention(n, dys, needs, e):
 
     kr = _repeat_heads(e, lay.present_k, lay.group)
     root = _scale_root(e, n, lay, q)
-    qs, ks = e.Mul(lay.q4, root), e.Mul(kr, root)
+    qs, ks = lay.q4 * root, kr * root
     needs_p = dy is not None or mode_grad[3] is not None
     needs_r = needs_p or (cap > 0 and (mode_grad[1] is not None or mode_grad[2] is not None))
-    r = e.MatMul(qs, _t(e, ks)) if needs_r else None
-    tanh = e.Tanh(e.Div(r, e.scalar(cap, like=q))) if cap > 0 and needs_r else None
+    r = qs @ _t(e, ks) if needs_r else None
+    tanh = e.Tanh(r / cap) if cap > 0 and needs_r else None
 
     d_vr = dp = None
     mask_grad = wants(needs, 3)
     bias, mask_len = _bias(e, n, lay, q) if needs_p or (mask_grad and mode_grad[2] is not None) else (None, None)
     if needs_p:
-        c = e.Mul(tanh, e.scalar(cap, like=q)) if tanh is not None else r
-        p = _probabilities(e, n, e.Add(c, bias) if bias is not None else c, bias, q)
+        c = cap * tanh if tanh is not None else r
+        p = _probabilities(e, n, c + bias if bias is not None else c, bias, q)
         if dy is not None:
             dy4 = _split_heads(e, dy, lay.heads) if lay.three_d else dy
             vr = _repeat_heads(e, lay.present_v, lay.group)
-            dp = e.MatMul(dy4, _t(e, vr))
-            d_vr = e.MatMul(_t(e, p), dy4)
+            dp = dy4 @ _t(e, vr)
+            d_vr = _t(e, p) @ dy4
         dp = _add(e, dp, mode_grad[3])
-        dz = e.Mul(p, e.Sub(dp, e.reduce("ReduceSum", e.Mul(dp, p), [-1], keepdims=True)))
+        dz = p * (dp - e.reduce("ReduceSum", dp * p, [-1], keepdims=True))
     else:
         dz = None
     dz = _add(e, dz, mode_grad[2])
     dc = _add(e, dz, mode_grad[1])
     if dc is not None and tanh is not None:
-        dc = e.Mul(dc, e.Sub(e.scalar(1.0, like=q), e.Mul(tanh, tanh)))
+        dc = dc * (1 - tanh * tanh)
     dr = _add(e, dc, mode_grad[0])
 
     dq4 = d_kr = None
     if dr is not None:
-        dq4 = e.Mul(e.MatMul(dr, ks), root) if needs[0] else None
-        d_kr = e.Mul(e.MatMul(_t(e, dr), qs), root) if needs[1] or wants(needs, 4) else None
+        dq4 = (dr @ ks) * root if needs[0] else None
+        d_kr = (_t(e, dr) @ qs) * root if needs[1] or wants(needs, 4) else None
     d_past_k, dk4 = lay.split_past(e, _add(e, _sum_groups(e, d_kr, lay.group, lay.present_k), d_present_k))
     d_past_v, dv4 = lay.split_past(e, _add(e, _sum_groups(e, d_vr, lay.group, lay.present_v), d_present_v))
 
@@ -341,17 +341,17 @@ def rotary_embedding(n, dys, needs, e):
     dx = dcos = dsin = None
     if needs[0]:
         extra = [positions] if positions is not None else []
-        dx = e.RotaryEmbedding(dy, cos, e.Neg(sin), *extra, interleaved=attr(n, "interleaved", 0),
+        dx = e.RotaryEmbedding(dy, cos, -sin, *extra, interleaved=attr(n, "interleaved", 0),
                                rotary_embedding_dim=attr(n, "rotary_embedding_dim", 0),
                                num_heads=attr(n, "num_heads"))
     if needs[1] or needs[2]:
         x1, x2 = _rope_halves(e, n, _rope_layout(e, n, x))
         g1, g2 = _rope_halves(e, n, _rope_layout(e, n, dy))
         if needs[1]:
-            dcos = _to_cache(e, e.reduce("ReduceSum", e.Add(e.Mul(g1, x1), e.Mul(g2, x2)), [2], keepdims=False),
+            dcos = _to_cache(e, e.reduce("ReduceSum", g1 * x1 + g2 * x2, [2], keepdims=False),
                              cos, positions)
         if needs[2]:
-            dsin = _to_cache(e, e.reduce("ReduceSum", e.Sub(e.Mul(g2, x1), e.Mul(g1, x2)), [2], keepdims=False),
+            dsin = _to_cache(e, e.reduce("ReduceSum", g2 * x1 - g1 * x2, [2], keepdims=False),
                              sin, positions)
     return (dx, dcos, dsin, None)[:len(n.inputs)]
 
@@ -444,33 +444,33 @@ def flex_attention(n, dys, needs, e):
     grads = {}
     if dy is not None:
         hq, hkv = _size(e, q, 1), _size(e, k, 1)
-        group = hq // hkv if isinstance(hq, int) and isinstance(hkv, int) else e.Div(vec(e, hq), vec(e, hkv))
+        group = hq // hkv if isinstance(hq, int) and isinstance(hkv, int) else vec(e, hq) / vec(e, hkv)
         root = _flex_scale_root(e, n, q)
         kr, vr = _repeat_heads(e, k, group), _repeat_heads(e, v, group)
-        qs, ks = e.Mul(q, root), e.Mul(kr, root)
-        r = cast_to(e, e.MatMul(qs, _t(e, ks)), sp)
+        qs, ks = q * root, kr * root
+        r = cast_to(e, qs @ _t(e, ks), sp)
         wanted = [c for c, need in zip(captured, needs[3:]) if need]
         z, score_nodes = _inline_modifier(e, n, "score_mod", r)
         p = e.Softmax(z, axis=-1)
         p2, prob_nodes = _inline_modifier(e, n, "prob_mod", p)
         dys_ = cast_to(e, dy, sp)
         if needs[2]:
-            dv = _sum_groups(e, cast_to(e, e.MatMul(_t(e, p2), dys_), v.dtype), group, v)
+            dv = _sum_groups(e, cast_to(e, _t(e, p2) @ dys_, v.dtype), group, v)
         if needs[0] or needs[1] or wanted:
-            dp2 = e.MatMul(dys_, _t(e, cast_to(e, vr, sp)))
+            dp2 = dys_ @ _t(e, cast_to(e, vr, sp))
             grads = _through_modifier(e, prob_nodes, p, p2, dp2, wanted)
             dp = grads.get(p)
             dr = None
             if dp is not None:
-                dz = e.Mul(p, e.Sub(dp, e.reduce("ReduceSum", e.Mul(dp, p), [-1], keepdims=True)))
+                dz = p * (dp - e.reduce("ReduceSum", dp * p, [-1], keepdims=True))
                 more = _through_modifier(e, score_nodes, r, z, dz, wanted)
                 dr = more.pop(r, None)
                 for c, g in more.items():
                     grads[c] = _add(e, grads.get(c), g)
             if dr is not None:
                 dr = cast_to(e, dr, q.dtype)
-                dq = e.Mul(e.MatMul(dr, ks), root) if needs[0] else None
-                dk = _sum_groups(e, e.Mul(e.MatMul(_t(e, dr), qs), root), group, k) if needs[1] else None
+                dq = (dr @ ks) * root if needs[0] else None
+                dk = _sum_groups(e, (_t(e, dr) @ qs) * root, group, k) if needs[1] else None
     out = [dq, dk, dv] + [grads.get(c) for c in captured]
     return [(g if g is not None else e.zeros_like(value)) if need else None
             for value, need, g in zip([q, k, v, *captured], needs, out)]

@@ -160,7 +160,7 @@ def _conv_dw_im2col(e, x, dy, axes, r):
     col = e.Concat(*cols, axis=r + 1) if len(cols) > 1 else cols[0]  # (N, *O, K*C)
     flat = e.Reshape(col, e.ints([-1, len(cols) * c]))
     dyt = e.Reshape(swap01(e, dy, r + 2), e.ints([m, -1]))  # (M, N*O)
-    g = e.Reshape(e.MatMul(dyt, flat), e.ints([m] + kernel + [c]))
+    g = e.Reshape(dyt @ flat, e.ints([m] + kernel + [c]))
     return e.Transpose(g, perm=[0, r + 1] + spatial)
 
 
@@ -295,20 +295,19 @@ class _Samples(NamedTuple):
 def _deform_positions(e, offset, sz, og, strides, dilations, pads, like):
     """The sampling positions (p_y, p_x), each (N, og, L) with L = (kh, kw, oh, ow) kernel
     tap major: k*dilation + o*stride - pad_begin + the offset."""
-    f = lambda v: e.scalar(float(v), like)  # noqa: E731
     full = stack(e, [sz.kh, sz.kw, sz.oh, sz.ow])
 
     def base(kn, on, axis):  # k*dilation + o*stride - pad_begin over (kh, kw, oh, ow), flattened
-        tap = e.Unsqueeze(e.Mul(arange(e, kn, like), f(dilations[axis])), [1, 2, 3] if axis == 0 else [0, 2, 3])
-        out = e.Sub(e.Mul(arange(e, on, like), f(strides[axis])), f(pads[axis]))
+        tap = e.Unsqueeze(arange(e, kn, like) * dilations[axis], [1, 2, 3] if axis == 0 else [0, 2, 3])
+        out = arange(e, on, like) * strides[axis] - pads[axis]
         out = e.Unsqueeze(out, [0, 1, 3] if axis == 0 else [0, 1, 2])
-        return e.Reshape(e.Expand(e.Add(tap, out), full), e.ints([-1]))
+        return e.Reshape(e.Expand(tap + out, full), e.ints([-1]))
 
     base_y, base_x = base(sz.kh, sz.oh, 0), base(sz.kw, sz.ow, 1)
     off = e.CastLike(e.Reshape(offset, stack(e, [sz.batch, og, sz.k, 2, sz.o])), like)
     off_y, off_x = e.split_into(off, 2, axis=3)
-    py = e.Add(e.Reshape(off_y, stack(e, [sz.batch, og, -1])), base_y)  # (N, og, L)
-    px = e.Add(e.Reshape(off_x, stack(e, [sz.batch, og, -1])), base_x)
+    py = e.Reshape(off_y, stack(e, [sz.batch, og, -1])) + base_y  # (N, og, L)
+    px = e.Reshape(off_x, stack(e, [sz.batch, og, -1])) + base_x
     return py, px
 
 
@@ -319,34 +318,34 @@ def _bilinear_samples(e, xx, py, px, sz, og, like) -> _Samples:
     f = lambda v: e.scalar(float(v), like)  # noqa: E731
     h, wd, hw = sz.h, sz.w, sz.hw
     y0, x0 = e.Floor(py), e.Floor(px)
-    ly, lx = e.Sub(py, y0), e.Sub(px, x0)
-    wy = [e.Sub(f(1.0), ly), ly]
-    wx = [e.Sub(f(1.0), lx), lx]
+    ly, lx = py - y0, px - x0
+    wy = [1 - ly, ly]
+    wx = [1 - lx, lx]
     hf, wf = (e.CastLike(v, like) if not isinstance(v, int) else f(v) for v in (h, wd))
     i64 = int(ir.DataType.INT64)
-    plane = e.Mul(e.Unsqueeze(e.Reshape(arange(e, imul(e, sz.batch, og)), stack(e, [sz.batch, og])), [2]),
-                  e.ints([hw]) if isinstance(hw, int) else hw)  # (N, og, 1): first row of each plane
+    plane = (e.Unsqueeze(e.Reshape(arange(e, imul(e, sz.batch, og)), stack(e, [sz.batch, og])), [2])
+             * (e.ints([hw]) if isinstance(hw, int) else hw))  # (N, og, 1): first row of each plane
     zero = e.const(np.array(0, np.int64))
     rows, inside = [], []
     for a in (0, 1):
         for bb in (0, 1):
-            yi, xi = e.Add(y0, f(a)), e.Add(x0, f(bb))
+            yi, xi = y0 + a, x0 + bb
             ok = e.And(e.And(e.GreaterOrEqual(yi, f(0)), e.Less(yi, hf)),
                        e.And(e.GreaterOrEqual(xi, f(0)), e.Less(xi, wf)))
             yk = e.Where(ok, e.Cast(yi, to=i64), zero)  # corners outside X read row 0, weighted 0
             xk = e.Where(ok, e.Cast(xi, to=i64), zero)
-            rows.append(e.Add(plane, e.Add(e.Mul(yk, e.ints([wd]) if isinstance(wd, int) else wd), xk)))
+            rows.append(plane + (yk * (e.ints([wd]) if isinstance(wd, int) else wd) + xk))
             inside.append(e.CastLike(ok, like))
     index = e.Unsqueeze(e.Concat(*rows, axis=2), [-1])  # (N, og, 4L, 1)
     c = sz.c
-    cg = c // og if isinstance(c, int) else e.Div(c, e.ints([og]))
+    cg = c // og if isinstance(c, int) else c / e.ints([og])
     xt = e.Transpose(e.Reshape(xx, stack(e, [sz.batch, og, cg, hw])), perm=[0, 1, 3, 2])
     table = e.Reshape(xt, stack(e, [-1, cg]))  # (N*og*H*W, C/og)
     vals = e.Reshape(e.GatherND(table, index), stack(e, [sz.batch, og, 4, -1, cg]))  # (N, og, 4, L, C/og)
-    v = [e.Mul(e.Gather(vals, e.const(np.array(i, np.int64)), axis=2), e.Unsqueeze(inside[i], [-1]))
+    v = [e.Gather(vals, e.const(np.array(i, np.int64)), axis=2) * e.Unsqueeze(inside[i], [-1])
          for i in range(4)]  # each (N, og, L, C/og), zero outside X
-    wgt = [e.Unsqueeze(e.Mul(wy[a], wx[bb]), [-1]) for a in (0, 1) for bb in (0, 1)]
-    sampled = e.Add(e.Add(e.Mul(wgt[0], v[0]), e.Mul(wgt[1], v[1])), e.Add(e.Mul(wgt[2], v[2]), e.Mul(wgt[3], v[3])))
+    wgt = [e.Unsqueeze(wy[a] * wx[bb], [-1]) for a in (0, 1) for bb in (0, 1)]
+    sampled = (wgt[0] * v[0] + wgt[1] * v[1]) + (wgt[2] * v[2] + wgt[3] * v[3])
     return _Samples(table, index, cg, wy, wx, inside, v, wgt, sampled)
 
 
@@ -364,22 +363,21 @@ def _from_groups(e, v, sz, og, cg):
 
 def _deform_dw(e, dy_g, cols, sz, og, cg, group, w):
     """dW = sum_n dY cols^T per group, cols (N, og, L, C/og) the (masked) samples."""
-    g = e.reduce("ReduceSum", e.MatMul(dy_g, e.Transpose(_to_groups(e, cols, sz, og, cg, group), perm=[0, 1, 3, 2])),
+    g = e.reduce("ReduceSum", dy_g @ e.Transpose(_to_groups(e, cols, sz, og, cg, group), perm=[0, 1, 3, 2]),
                  [0], keepdims=False)
     return e.CastLike(e.Reshape(g, e.Shape(w)), w)
 
 
 def _deform_dmask(e, dcols, samples, mask):
     """dmask = sum over the offset group's channels of dcols * S."""
-    dm = e.reduce("ReduceSum", e.Mul(dcols, samples.sampled), [3], keepdims=False)  # (N, og, L)
+    dm = e.reduce("ReduceSum", dcols * samples.sampled, [3], keepdims=False)  # (N, og, L)
     return e.CastLike(e.Reshape(dm, e.Shape(mask)), mask)
 
 
 def _deform_dx(e, ds, samples, sz, og, x, like):
     """dX: ds (dcols * mask) times each corner's bilinear weight, scatter-added onto the four
     corners (corners outside X weigh 0)."""
-    updates = e.Concat(*[e.Mul(ds, e.Mul(samples.weights[i], e.Unsqueeze(samples.inside[i], [-1])))
-                         for i in range(4)], axis=2)
+    updates = e.Concat(*[ds * (samples.weights[i] * e.Unsqueeze(samples.inside[i], [-1])) for i in range(4)], axis=2)
     zeros = e.Expand(e.scalar(0.0, like), e.Shape(samples.table))
     acc = e.ScatterND(zeros, samples.index, updates, reduction="add")  # (N*og*H*W, C/og)
     g = e.Transpose(e.Reshape(acc, stack(e, [sz.batch, og, sz.hw, samples.cg])), perm=[0, 1, 3, 2])
@@ -392,10 +390,10 @@ def _deform_doffset(e, ds, samples, sz, og, offset):
     v = samples.values
     wxu = [e.Unsqueeze(t, [-1]) for t in samples.wx]
     wyu = [e.Unsqueeze(t, [-1]) for t in samples.wy]
-    s_y = e.Add(e.Mul(wxu[0], e.Sub(v[2], v[0])), e.Mul(wxu[1], e.Sub(v[3], v[1])))
-    s_x = e.Add(e.Mul(wyu[0], e.Sub(v[1], v[0])), e.Mul(wyu[1], e.Sub(v[3], v[2])))
-    gy = e.reduce("ReduceSum", e.Mul(ds, s_y), [3], keepdims=False)  # (N, og, L)
-    gx = e.reduce("ReduceSum", e.Mul(ds, s_x), [3], keepdims=False)
+    s_y = wxu[0] * (v[2] - v[0]) + wxu[1] * (v[3] - v[1])
+    s_x = wyu[0] * (v[1] - v[0]) + wyu[1] * (v[3] - v[2])
+    gy = e.reduce("ReduceSum", ds * s_y, [3], keepdims=False)  # (N, og, L)
+    gx = e.reduce("ReduceSum", ds * s_x, [3], keepdims=False)
     both = e.Concat(e.Reshape(gy, stack(e, [sz.batch, og, sz.k, 1, sz.o])),
                     e.Reshape(gx, stack(e, [sz.batch, og, sz.k, 1, sz.o])), axis=3)
     return e.CastLike(e.Reshape(both, e.Shape(offset)), offset)
@@ -446,10 +444,10 @@ def deform_conv(n, dys, needs, e):
     mk = None
     if mask is not None:
         mk = e.Unsqueeze(e.Reshape(e.CastLike(mask, like), stack(e, [big_n, og, -1])), [-1])  # (N, og, L, 1)
-    cols_nl = e.Mul(samples.sampled, mk) if mk is not None else samples.sampled
+    cols_nl = samples.sampled * mk if mk is not None else samples.sampled
 
     dy_g = e.Reshape(dy, stack(e, [big_n, group, -1, o]))  # (N, group, M/group, O)
-    mg = m // group if isinstance(m, int) else e.Div(m, e.ints([group]))
+    mg = m // group if isinstance(m, int) else m / e.ints([group])
     w_g = e.Reshape(e.CastLike(w, like), stack(e, [group, mg, -1]))  # (group, M/group, C/group*K)
     dx = dw = doff = db = dmask = None
     if needs[1]:
@@ -457,10 +455,10 @@ def deform_conv(n, dys, needs, e):
     if wants(needs, 3):
         db = e.CastLike(bias_grad(e, dy, 4), b)
     if needs[0] or needs[2] or wants(needs, 4):
-        dcols = _from_groups(e, e.MatMul(e.Transpose(w_g, perm=[0, 2, 1]), dy_g), sz, og, cg)  # (N, og, L, C/og)
+        dcols = _from_groups(e, e.Transpose(w_g, perm=[0, 2, 1]) @ dy_g, sz, og, cg)  # (N, og, L, C/og)
         if wants(needs, 4):
             dmask = _deform_dmask(e, dcols, samples, mask)
-        ds = e.Mul(dcols, mk) if mk is not None else dcols
+        ds = dcols * mk if mk is not None else dcols
         if needs[0]:
             dx = _deform_dx(e, ds, samples, sz, og, x, like)
         if needs[2]:
@@ -475,12 +473,12 @@ def _taps(e, x, length, k):
     """U[b, c, t, j] = x[b, c, t + j] for t < length, j < k: (B, C, length, k)."""
     rows = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1)), [-1, 1])
     cols = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, k), scalar_of(e, 1)), [1, -1])
-    return e.Gather(x, e.Add(rows, cols), axis=2)
+    return e.Gather(x, rows + cols, axis=2)
 
 
 def _dot_taps(e, u, w):
     """sum_j u[b, c, t, j] w[c, 0, j]: (B, C, T)."""
-    return e.reduce("ReduceSum", e.Mul(u, w), [3], keepdims=False)
+    return e.reduce("ReduceSum", u * w, [3], keepdims=False)
 
 
 def _pad_time(e, v, before, after):
@@ -508,18 +506,18 @@ class _Shifted:
     def conv(self):
         """sum_j P[:, :, j : j + L] w[:, j]"""
         k = self.k
-        return self.total([self.e.Mul(self.tap(self.padded, j, k - 1 - j), self.weight(j)) for j in range(k)])
+        return self.total([self.tap(self.padded, j, k - 1 - j) * self.weight(j) for j in range(k)])
 
     def input_grad(self, dconv):
         """d P = sum_j w[:, j] (d conv shifted right by j), as a slice of d conv padded on both sides"""
         e, k = self.e, self.k
         padded = _pad_time(e, dconv, k - 1, k - 1)
-        return self.total([e.Mul(self.tap(padded, k - 1 - j, j), self.weight(j)) for j in range(k)])
+        return self.total([self.weight(j) * self.tap(padded, k - 1 - j, j) for j in range(k)])
 
     def weight_grad(self, dconv):
         """d w[:, 0, j] = sum over b, t of P[:, :, j : j + L] d conv"""
         e, k = self.e, self.k
-        cols = [e.reduce("ReduceSum", e.Mul(self.tap(self.padded, j, k - 1 - j), dconv), [0, 2], keepdims=True)
+        cols = [e.reduce("ReduceSum", self.tap(self.padded, j, k - 1 - j) * dconv, [0, 2], keepdims=True)
                 for j in range(k)]  # (1, C, 1) each
         return e.Transpose(e.Concat(*cols, axis=2) if k > 1 else cols[0], perm=[1, 0, 2])
 
@@ -550,7 +548,7 @@ class _Unfolded:
         e = self.e
         lhs = e.Reshape(e.Transpose(dconv, perm=[1, 0, 2]), [0, 1, -1])
         rhs = e.Reshape(e.Transpose(self.taps(), perm=[1, 0, 2, 3]), stack(e, [0, -1, self.k]))
-        return e.MatMul(lhs, rhs)
+        return lhs @ rhs
 
 
 def _silu_slope(e, conv, like):
@@ -558,8 +556,7 @@ def _silu_slope(e, conv, like):
     wide = ir.DataType.FLOAT if like.dtype in HALF_TYPES else None
     c = cast_to(e, conv, wide)
     s = e.Sigmoid(c)
-    one = e.scalar(1.0, like=c)
-    return e.Mul(s, e.Add(one, e.Mul(c, e.Sub(one, s)))), wide
+    return s * (1 + c * (1 - s)), wide
 
 
 @register("CausalConvWithState")
@@ -602,9 +599,9 @@ def causal_conv_with_state(n, dys, needs, e):
     if dy is not None and attr(n, "activation", "none") in ("silu", "swish"):
         conv = ops.conv()
         if bias is not None:
-            conv = e.Add(conv, e.Unsqueeze(bias, [1]))
+            conv = conv + e.Unsqueeze(bias, [1])
         slope, wide = _silu_slope(e, conv, x)
-        dconv = cast_to(e, e.Mul(cast_to(e, dy, wide), slope), x.dtype if wide else None)
+        dconv = cast_to(e, cast_to(e, dy, wide) * slope, x.dtype if wide else None)
 
     dx = dpast = dw = db = None
     if need_x or need_past:
@@ -612,7 +609,7 @@ def causal_conv_with_state(n, dys, needs, e):
         if d_present is not None:  # present_state = P[:, :, L:]
             parts.append(_pad_time(e, d_present, length, 0))
         if parts:
-            dpad = parts[0] if len(parts) == 1 else e.Add(*parts)
+            dpad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
             cut = e.ints([km1]) if isinstance(km1, int) else km1
             dx = e.Slice(dpad, cut, e.ints([INT64_MAX]), e.ints([2])) if need_x else None
             dpast = e.Slice(dpad, e.ints([0]), cut, e.ints([2])) if need_past else None

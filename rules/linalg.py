@@ -51,7 +51,7 @@ def _as_matrix(e, v, rank, column: bool):
     if rank is not None:
         return v if rank >= 2 else e.Unsqueeze(v, [-1] if column else [0])
     shape = e.Shape(v)
-    missing = e.Max(e.Sub(e.ints([2]), e.Shape(shape)), e.ints([0]))
+    missing = e.Max(e.ints([2]) - e.Shape(shape), e.ints([0]))
     ones = e.ConstantOfShape(missing, value=ir.tensor(np.array([1], dtype=np.int64)))
     return e.Reshape(v, e.Concat(*((shape, ones) if column else (ones, shape)), axis=0))
 
@@ -77,10 +77,10 @@ def _matmul_any_rank(e, a, b, dy, needs, ra, rb):
     dy2 = e.Reshape(dy, e.Concat(batch, rows, cols, axis=0))
     da = db = None
     if needs[0]:
-        da = e.unbroadcast(e.MatMul(dy2, _swap_last(e, b2, None if rb is None else max(rb, 2))), a2)
+        da = e.unbroadcast(dy2 @ _swap_last(e, b2, None if rb is None else max(rb, 2)), a2)
         da = da if a2 is a else reshape_like(e, da, a)
     if needs[1]:
-        db = e.unbroadcast(e.MatMul(_swap_last(e, a2, None if ra is None else max(ra, 2)), dy2), b2)
+        db = e.unbroadcast(_swap_last(e, a2, None if ra is None else max(ra, 2)) @ dy2, b2)
         db = db if b2 is b else reshape_like(e, db, b)
     return da, db
 
@@ -102,7 +102,7 @@ def matmul(n, dys, needs, e):
                                 None if db_ is None else len(db_))
     ra, rb = len(da_), len(db_)
     if ra == 1 and rb == 1:  # dot product: y is a scalar
-        return (e.Mul(dy, b) if needs[0] else None, e.Mul(dy, a) if needs[1] else None)
+        return (dy * b if needs[0] else None, dy * a if needs[1] else None)
 
     # Lift to the matrix case: dy2 has shape (batch..., n, m).
     dy2 = dy
@@ -115,16 +115,16 @@ def matmul(n, dys, needs, e):
     da = db = None
     if needs[0]:
         if rb == 1:  # da[..., n, k] = dy[..., n] * b[k]
-            da = e.unbroadcast(e.Mul(dy2, b), a)
+            da = e.unbroadcast(dy2 * b, a)
         else:
-            g = e.MatMul(dy2, _swap_last(e, b, rb))  # (batch..., n or 1, k)
+            g = dy2 @ _swap_last(e, b, rb)  # (batch..., n or 1, k)
             if ra == 1:
                 da = e.reduce("ReduceSum", g, list(range(rank - 1)), keepdims=False)
             else:
                 da = e.unbroadcast(g, a)
     if needs[1]:
         if ra == 1:  # db[..., k, m] = a[k] * dy[..., m]
-            db = e.unbroadcast(e.Mul(e.Unsqueeze(a, [1]), dy2), b)
+            db = e.unbroadcast(e.Unsqueeze(a, [1]) * dy2, b)
         elif rb == 2 and ra > 2:
             # Batched activations times a weight matrix: fold the batch axes into the
             # contraction instead of materialising one (k, m) product per batch element.
@@ -132,7 +132,7 @@ def matmul(n, dys, needs, e):
             dy_flat = e.Reshape(dy2, _flat_shape(e, dy2))
             db = e.Gemm(a_flat, dy_flat, transA=1)
         else:
-            g = e.MatMul(_swap_last(e, a, ra), dy2)  # (batch..., k, m or 1)
+            g = _swap_last(e, a, ra) @ dy2  # (batch..., k, m or 1)
             if rb == 1:
                 db = e.reduce("ReduceSum", g, list(range(rank - 2)) + [rank - 1], keepdims=False)
             else:
@@ -169,7 +169,7 @@ def gemm(n, dys, needs, e):
         else:
             db = e.Gemm(dy, a, alpha=alpha, transA=1, transB=ta)
     if wants(needs, 2):
-        g = dy if beta == 1.0 else e.Mul(dy, e.scalar(beta, dy))
+        g = dy if beta == 1.0 else beta * dy
         dc = e.unbroadcast(g, c)
     return [da, db, dc][: len(n.inputs)]
 
@@ -394,6 +394,6 @@ def det(n, dys, needs, e):
     minors = e.Transpose(minors, perm=batch + [r - 2, r, r - 1, r + 1])  # (..., n_i, n_j, n-1, n-1)
     signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)])
     signs = e.const(signs, dtype=x.dtype) if x.dtype is not None else e.CastLike(e.const(signs), x)
-    cof = e.Mul(e.Det(minors), signs)
-    return (e.Mul(e.Unsqueeze(dy, [r - 2, r - 1]), cof),)
+    cof = signs * e.Det(minors)
+    return (e.Unsqueeze(dy, [r - 2, r - 1]) * cof,)
 

@@ -95,11 +95,11 @@ def average_pool(n, dys, needs, e):
     if all(is_static(a.size, a.out, a.begin, a.end) for a in axes):
         count = _counts_static(axes, include_pad)
         if np.all(count == count.flat[0]):
-            scaled = e.Div(dy, e.scalar(float(count.flat[0]), dy))
+            scaled = dy / float(count.flat[0])
         else:
-            scaled = e.Div(dy, e.const(count, dtype=dtype_of(dy, x)))
+            scaled = dy / e.const(count, dtype=dtype_of(dy, x))
     else:
-        scaled = e.Div(dy, _counts_dynamic(e, axes, include_pad, x))
+        scaled = dy / _counts_dynamic(e, axes, include_pad, x)
     ones = e.const(np.ones([1, 1] + kernel), dtype=dtype_of(x, dy))
     return (_scatter_windows(e, _planes(e, scaled, rank), ones, axes, x),)
 
@@ -204,10 +204,10 @@ def global_average_pool(n, dys, needs, e):
     (dy,) = dys
     d = dims_of(x)
     if d is not None and is_static(*d[2:]):
-        count = e.scalar(float(np.prod(d[2:], dtype=np.int64)), dy)
+        count = float(np.prod(d[2:], dtype=np.int64))
     else:
-        count = e.CastLike(e.Div(e.Size(x), e.Size(y)), x)
-    return (e.expand_like(e.Div(dy, count), x),)
+        count = e.CastLike(e.Size(x) / e.Size(y), x)
+    return (e.expand_like(dy / count, x),)
 
 
 @register("GlobalMaxPool")
@@ -219,7 +219,7 @@ def global_max_pool(n, dys, needs, e):
     rank = rank_of(x, dy, op=n.op_type)
     mask = e.CastLike(e.Equal(x, y), x)
     count = e.reduce("ReduceSum", mask, list(range(2, rank)), keepdims=True)
-    return (e.Mul(e.Div(dy, count), mask),)
+    return (dy / count * mask,)
 
 
 # ----------------------------------------------------------------------------- MaxUnpool
@@ -278,16 +278,16 @@ def _lp_local(e, x, p: int):
         return e.Sign(x)
     if p == 2:
         return x
-    return e.Mul(e.Sign(x), e.Pow(e.Abs(x), e.scalar(float(p - 1), x)))
+    return e.Sign(x) * e.Abs(x) ** (p - 1)
 
 
 def _window_weight(e, dy, y, p: int):
-    """dy * y^(1-p), 0 where the window is all zeros (y = 0)."""
+    """dy / y^(p-1) (= dy * y^(1-p)), 0 where the window is all zeros (y = 0)."""
     if p == 1:
         return dy
     if p == 2:
         return safe_div(e, dy, y)
-    return safe_div(e, dy, e.Pow(y, e.scalar(float(p - 1), y)))
+    return safe_div(e, dy, y ** (p - 1))
 
 
 def _p(n):
@@ -303,7 +303,7 @@ def global_lp_pool(n, dys, needs, e):
     (x,) = n.inputs
     (y,) = n.outputs
     p = _p(n)
-    return (e.Mul(_lp_local(e, x, p), _window_weight(e, dys[0], y, p)),)
+    return (_lp_local(e, x, p) * _window_weight(e, dys[0], y, p),)
 
 
 @register("LpPool")
@@ -327,4 +327,4 @@ def lp_pool(n, dys, needs, e):
     g = conv_transpose_fitted(e, planes, ones, kernel, [a.begin for a in axes], [a.size for a in axes],
                               [a.stride for a in axes], [a.dilation for a in axes])
     g = _unplanes(e, g, x)
-    return (e.Mul(_lp_local(e, x, p), g),)
+    return (_lp_local(e, x, p) * g,)
