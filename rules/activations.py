@@ -27,58 +27,56 @@ def tanh(n, dys, needs, e):
 
 @register("Sigmoid")
 def sigmoid(n, dys, needs, e):
-    """dx = dy * y * (1 - y)"""
+    """dx = dy * (y (1 - y))"""
     (y,) = n.outputs
-    return (e.Mul(dys[0], e.Mul(y, e.Sub(e.scalar(1.0, y), y))),)
+    return (dys[0] * (y * (1 - y)),)
 
 
 @register("Erf")
 def erf(n, dys, needs, e):
-    """dx = dy * 2/sqrt(pi) * exp(-x^2)"""
+    """dx = dy * (2/sqrt(pi) exp(-x^2))"""
     (x,) = n.inputs
-    return (e.Mul(dys[0], e.Mul(e.scalar(2.0 / math.sqrt(math.pi), x), e.Exp(e.Neg(e.Mul(x, x))))),)
+    return (dys[0] * (2.0 / math.sqrt(math.pi) * e.Exp(-(x * x))),)
 
 
 @register("Softplus")
 def softplus(n, dys, needs, e):
     """y = log(1 + exp(x)):  dx = dy * sigmoid(x)"""
     (x,) = n.inputs
-    return (e.Mul(dys[0], e.Sigmoid(x)),)
+    return (dys[0] * e.Sigmoid(x),)
 
 
 @register("Softsign")
 def softsign(n, dys, needs, e):
     """y = x / (1 + |x|):  dx = dy / (1 + |x|)^2"""
     (x,) = n.inputs
-    d = e.Add(e.scalar(1.0, x), e.Abs(x))
-    return (e.Div(dys[0], e.Mul(d, d)),)
+    d = 1 + e.Abs(x)
+    return (dys[0] / (d * d),)
 
 
 def gelu_slope(e, u):
-    """d/du of u Phi(u) = Phi(u) + u phi(u), Phi(u) = (1 + erf(u/sqrt 2))/2,
-    phi(u) = exp(-u^2/2)/sqrt(2 pi)."""
-    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
-    cdf = e.Mul(half, e.Add(one, e.Erf(e.Mul(u, e.scalar(1.0 / math.sqrt(2.0), u)))))
-    pdf = e.Mul(e.scalar(1.0 / math.sqrt(2.0 * math.pi), u), e.Exp(e.Mul(e.scalar(-0.5, u), e.Mul(u, u))))
-    return e.Add(cdf, e.Mul(u, pdf))
+    """d/du of u Phi(u) = Phi(u) + u phi(u), Phi(u) = 0.5 (1 + erf(u (1/sqrt 2))),
+    phi(u) = 1/sqrt(2 pi) exp(-0.5 u^2)."""
+    cdf = 0.5 * (1 + e.Erf(u * (1.0 / math.sqrt(2.0))))
+    pdf = 1.0 / math.sqrt(2.0 * math.pi) * e.Exp(-0.5 * (u * u))
+    return cdf + u * pdf
 
 
 def gelu_tanh_slope(e, u):
-    """d/du of u (1 + t)/2 with t = tanh(k (u + a u^3)), k = sqrt(2/pi), a = 0.044715:
-    (1 + t)/2 + u/2 (1 - t^2) k (1 + 3 a u^2)."""
+    """d/du of u (1 + t)/2 with t = tanh(v), v = k (u + a u^3), k = sqrt(2/pi), a = 0.044715:
+    0.5 (1 + t) + (0.5 u) ((1 - t^2) dv), dv = dv/du = k (1 + 3a u^2)."""
     k, a = math.sqrt(2.0 / math.pi), 0.044715
-    half, one = e.scalar(0.5, u), e.scalar(1.0, u)
-    u2 = e.Mul(u, u)
-    t = e.Tanh(e.Mul(e.scalar(k, u), e.Add(u, e.Mul(e.scalar(a, u), e.Mul(u2, u)))))
-    du = e.Mul(e.scalar(k, u), e.Add(one, e.Mul(e.scalar(3 * a, u), u2)))
-    return e.Add(e.Mul(half, e.Add(one, t)), e.Mul(e.Mul(half, u), e.Mul(e.Sub(one, e.Mul(t, t)), du)))
+    u2 = u * u
+    t = e.Tanh(k * (u + a * (u2 * u)))
+    dv = k * (1 + 3 * a * u2)
+    return 0.5 * (1 + t) + 0.5 * u * ((1 - t * t) * dv)
 
 
 @register("Gelu")
 def gelu(n, dys, needs, e):
     """dx = dy * d/dx (x Phi(x)) (``gelu_slope``; approximate="tanh": ``gelu_tanh_slope``)."""
     slope = gelu_tanh_slope if attr(n, "approximate", "none") == "tanh" else gelu_slope
-    return (e.Mul(dys[0], slope(e, n.inputs[0])),)
+    return (dys[0] * slope(e, n.inputs[0]),)
 
 
 # ----------------------------------------------------------------------------- piecewise
@@ -102,7 +100,7 @@ def leaky_relu(n, dys, needs, e):
     (x,) = n.inputs
     (dy,) = dys
     alpha = attr(n, "alpha", 0.01)
-    return (e.Where(e.Less(x, e.scalar(0.0, x)), e.Mul(dy, e.scalar(alpha, x)), dy),)
+    return (e.Where(e.Less(x, e.scalar(0.0, x)), dy * alpha, dy),)
 
 
 @register("Elu")
@@ -112,7 +110,7 @@ def elu(n, dys, needs, e):
     (y,) = n.outputs
     (dy,) = dys
     alpha = attr(n, "alpha", 1.0)
-    return (e.Where(e.Less(x, e.scalar(0.0, x)), e.Mul(dy, e.Add(y, e.scalar(alpha, y))), dy),)
+    return (e.Where(e.Less(x, e.scalar(0.0, x)), dy * (y + alpha), dy),)
 
 
 @register("Selu")
@@ -124,8 +122,7 @@ def selu(n, dys, needs, e):
     (dy,) = dys
     alpha = attr(n, "alpha", 1.67326319217681884765625)
     gamma = attr(n, "gamma", 1.05070102214813232421875)
-    return (e.Where(e.Greater(x, e.scalar(0.0, x)), e.Mul(dy, e.scalar(gamma, x)),
-                   e.Mul(dy, e.Add(y, e.scalar(gamma * alpha, y)))),)
+    return (e.Where(e.Greater(x, e.scalar(0.0, x)), dy * gamma, dy * (y + gamma * alpha)),)
 
 
 @register("HardSigmoid")
@@ -137,16 +134,16 @@ def hard_sigmoid(n, dys, needs, e):
     (y,) = n.outputs
     alpha = attr(n, "alpha", 0.2)
     inside = e.And(e.Greater(y, e.scalar(0.0, y)), e.Less(y, e.scalar(1.0, y)))
-    return (keep(e, inside, e.Mul(dys[0], e.scalar(alpha, y))),)
+    return (keep(e, inside, dys[0] * alpha),)
 
 
 @register("HardSwish")
 def hard_swish(n, dys, needs, e):
-    """y = x clip(x/6 + 1/2, 0, 1):  dx = 0 (x < -3), dy (x > 3), dy (x/3 + 1/2) otherwise
+    """y = x clip(x/6 + 1/2, 0, 1):  dx = 0 (x < -3), dy (x > 3), dy (x (1/3) + 0.5) otherwise
     (the inclusive middle branch is PyTorch's hardswish_backward)."""
     (x,) = n.inputs
     (dy,) = dys
-    middle = e.Mul(dy, e.Add(e.Mul(x, e.scalar(1.0 / 3.0, x)), e.scalar(0.5, x)))
+    middle = dy * (x * (1.0 / 3.0) + 0.5)
     upper = e.Where(e.Greater(x, e.scalar(3.0, x)), dy, middle)
     return (keep(e, e.Not(e.Less(x, e.scalar(-3.0, x))), upper),)
 
@@ -186,7 +183,7 @@ def dropout(n, dys, needs, e):
     the draw left no trace in y, and dx takes the expected factor, dy (E[mask/(1-ratio)] = 1).
     A dynamic training_mode selects the scale at run time (mask is all true in inference).
 
-    A ratio given at run time gets d ratio = sum(dy * y) / (1 - ratio) for the drawn mask
+    A ratio given at run time gets d ratio = sum(dy * y / (1 - ratio)) for the drawn mask
     (the mask itself is piecewise constant in the ratio).
     """
     x, ratio, training = n.inputs[0], optional_input(n, 1), optional_input(n, 2)
@@ -203,7 +200,7 @@ def dropout(n, dys, needs, e):
         return (dy,)
     dratio = None
     if ratio_wanted:
-        per = e.Div(e.Mul(dy, y), e.Sub(e.scalar(1.0, y), e.CastLike(ratio, y)))
+        per = dy * y / (1 - e.CastLike(ratio, y))
         if train_c is None:
             per = e.Where(training, per, e.scalar(0.0, y))
         dratio = e.CastLike(e.reduce("ReduceSum", per, None, keepdims=False), ratio)
@@ -215,10 +212,10 @@ def _dropout_dx(n, e, x, y, dy, ratio, ratio_c, training, train_c):
         scale = e.scalar(1.0 / (1.0 - float(ratio_c)), x)
     else:
         r = e.CastLike(ratio, x)
-        scale = e.Div(e.scalar(1.0, x), e.Sub(e.scalar(1.0, x), r))
+        scale = 1 / (1 - r)
     if train_c is None:
         scale = e.Where(training, scale, e.scalar(1.0, x))
-    scaled = e.Mul(dy, scale)
+    scaled = dy * scale
     mask = optional_output(n, 1)
     if mask is not None:
         return keep(e, mask, scaled)

@@ -16,7 +16,7 @@ def add(n, dys, needs, e):
 def sub(n, dys, needs, e):
     x, y = n.inputs
     (dy,) = dys
-    return e.unbroadcast(dy, x), e.unbroadcast(e.Neg(dy), y) if needs[1] else None
+    return e.unbroadcast(dy, x), e.unbroadcast(-dy, y) if needs[1] else None
 
 
 @register("Mul")
@@ -24,27 +24,27 @@ def mul(n, dys, needs, e):
     x, y = n.inputs
     (dy,) = dys
     return (
-        e.unbroadcast(e.Mul(dy, y), x) if needs[0] else None,
-        e.unbroadcast(e.Mul(dy, x), y) if needs[1] else None,
+        e.unbroadcast(dy * y, x) if needs[0] else None,
+        e.unbroadcast(dy * x, y) if needs[1] else None,
     )
 
 
 @register("Div")
 def div(n, dys, needs, e):
-    """d(x/y) = dy/y, -dy*x/y^2 = -dy*z/y"""
+    """z = x/y:  d x = dy/y,  d y = -dy*x/y^2 = -((dy/y)*z)"""
     x, y = n.inputs
     (z,) = n.outputs
     (dy,) = dys
-    dx = e.Div(dy, y)
+    dx = dy / y
     return (
         e.unbroadcast(dx, x) if needs[0] else None,
-        e.unbroadcast(e.Neg(e.Mul(dx, z)), y) if needs[1] else None,
+        e.unbroadcast(-(dx * z), y) if needs[1] else None,
     )
 
 
 @register("Neg")
 def neg(n, dys, needs, e):
-    return (e.Neg(dys[0]),)
+    return (-dys[0],)
 
 
 @register("Identity")
@@ -61,48 +61,48 @@ def pow_(n, dys, needs, e):
     dx = dyy = None
     power = constant_of(y)
     if needs[0] and not needs[1] and power is not None and power.size == 1 and float(power.reshape(-1)[0]) == 2.0:
-        dx = e.unbroadcast(e.Mul(dy, e.Mul(x, e.scalar(2.0, x))), x)  # x^2 (RMSNorm's): dy * 2x, no Pow
+        dx = e.unbroadcast(dy * (x * 2), x)  # x^2 (RMSNorm's): dy * 2x, no Pow
     elif needs[0]:
         yx = e.CastLike(y, x) if y.dtype != x.dtype else y
-        dx = e.unbroadcast(e.Mul(dy, e.Mul(yx, e.Pow(x, e.Sub(yx, e.scalar(1.0, yx))))), x)
+        dx = e.unbroadcast(dy * (yx * x ** (yx - 1)), x)
     if needs[1]:
         xy = e.CastLike(x, y) if y.dtype != x.dtype else x
         zy = e.CastLike(z, y) if y.dtype != z.dtype else z
         zero = e.scalar(0.0, y)
         # x^y log x at x = 0 is 0 * -inf; its limit is 0 for y >= 0 (as torch defines it)
         at_zero = e.And(e.Equal(xy, zero), e.GreaterOrEqual(y, zero))
-        dlog = e.Where(at_zero, zero, e.Mul(zy, e.Log(xy)))
-        dyy = e.unbroadcast(e.Mul(e.CastLike(dy, y) if y.dtype != x.dtype else dy, dlog), y)
+        dlog = e.Where(at_zero, zero, zy * e.Log(xy))
+        dyy = e.unbroadcast((e.CastLike(dy, y) if y.dtype != x.dtype else dy) * dlog, y)
     return dx, dyy
 
 
 @register("Sqrt")
 def sqrt(n, dys, needs, e):
-    """d sqrt(x) = dy / (2 sqrt(x))"""
+    """d sqrt(x) = dy / (2 z), z = sqrt(x)"""
     (z,) = n.outputs
-    return (e.Div(dys[0], e.Mul(e.scalar(2.0, z), z)),)
+    return (dys[0] / (2 * z),)
 
 
 @register("Reciprocal")
 def reciprocal(n, dys, needs, e):
-    """d(1/x) = -dy / x^2 = -dy * z^2"""
+    """d(1/x) = -dy / x^2 = -(dy * z^2), z = 1/x"""
     (z,) = n.outputs
-    return (e.Neg(e.Mul(dys[0], e.Mul(z, z))),)
+    return (-(dys[0] * (z * z)),)
 
 
 @register("Exp")
 def exp(n, dys, needs, e):
-    return (e.Mul(dys[0], n.outputs[0]),)
+    return (dys[0] * n.outputs[0],)
 
 
 @register("Log")
 def log(n, dys, needs, e):
-    return (e.Div(dys[0], n.inputs[0]),)
+    return (dys[0] / n.inputs[0],)
 
 
 @register("Abs")
 def abs_(n, dys, needs, e):
-    return (e.Mul(dys[0], e.Sign(n.inputs[0])),)
+    return (dys[0] * e.Sign(n.inputs[0]),)
 
 
 @register("Sum")
@@ -112,7 +112,7 @@ def sum_(n, dys, needs, e):
 
 @register("Mean")
 def mean(n, dys, needs, e):
-    dy = e.Div(dys[0], e.scalar(float(len(n.inputs)), n.outputs[0]))
+    dy = dys[0] / float(len(n.inputs))
     return [e.unbroadcast(dy, x) if need else None for x, need in zip(n.inputs, needs)]
 
 
@@ -122,9 +122,9 @@ def _select_extreme(n, dys, needs, e):
     (dy,) = dys
     masks = [e.CastLike(e.Equal(x, z), z) for x in n.inputs]
     count = masks[0] if len(masks) == 1 else e.Sum(*masks)
-    share = e.Div(dy, count)
+    share = dy / count
     return [
-        e.unbroadcast(e.Mul(share, m), x) if need else None
+        e.unbroadcast(share * m, x) if need else None
         for x, m, need in zip(n.inputs, masks, needs)
     ]
 

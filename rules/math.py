@@ -14,15 +14,8 @@ from gradbuilder.compiler.registry import register
 from gradbuilder.compiler.values import attr
 from gradbuilder.rules.helpers import keep, zero_gradients
 
-# ----------------------------------------------------------------------------- helpers
 # (``keep`` is a Where, which takes bfloat16 from opset 16 only; none of the ops using it here
 # takes bfloat16 before that.)
-
-
-def _one_minus_sq(e, x):
-    """1 - x^2"""
-    return e.Sub(e.scalar(1.0, x), e.Mul(x, x))
-
 
 # ----------------------------------------------------------------------------- trigonometric
 
@@ -30,71 +23,74 @@ def _one_minus_sq(e, x):
 @register("Sin")
 def sin(n, dys, needs, e):
     """dx = dy * cos(x)"""
-    return (e.Mul(dys[0], e.Cos(n.inputs[0])),)
+    return (dys[0] * e.Cos(n.inputs[0]),)
 
 
 @register("Cos")
 def cos(n, dys, needs, e):
-    """dx = -dy * sin(x)"""
-    return (e.Neg(e.Mul(dys[0], e.Sin(n.inputs[0]))),)
+    """dx = -(dy * sin(x))"""
+    return (-(dys[0] * e.Sin(n.inputs[0])),)
 
 
 @register("Tan")
 def tan(n, dys, needs, e):
     """dx = dy * (1 + y^2)"""
     (y,) = n.outputs
-    return (e.Mul(dys[0], e.Add(e.scalar(1.0, y), e.Mul(y, y))),)
+    return (dys[0] * (1 + y * y),)
 
 
 @register("Asin")
 def asin(n, dys, needs, e):
     """dx = dy / sqrt(1 - x^2)"""
-    return (e.Div(dys[0], e.Sqrt(_one_minus_sq(e, n.inputs[0]))),)
+    (x,) = n.inputs
+    return (dys[0] / e.Sqrt(1 - x * x),)
 
 
 @register("Acos")
 def acos(n, dys, needs, e):
-    """dx = -dy / sqrt(1 - x^2)"""
-    return (e.Neg(e.Div(dys[0], e.Sqrt(_one_minus_sq(e, n.inputs[0])))),)
+    """dx = -(dy / sqrt(1 - x^2))"""
+    (x,) = n.inputs
+    return (-(dys[0] / e.Sqrt(1 - x * x)),)
 
 
 @register("Atan")
 def atan(n, dys, needs, e):
     """dx = dy / (1 + x^2)"""
     (x,) = n.inputs
-    return (e.Div(dys[0], e.Add(e.scalar(1.0, x), e.Mul(x, x))),)
+    return (dys[0] / (1 + x * x),)
 
 
 @register("Sinh")
 def sinh(n, dys, needs, e):
     """dx = dy * cosh(x)"""
-    return (e.Mul(dys[0], e.Cosh(n.inputs[0])),)
+    return (dys[0] * e.Cosh(n.inputs[0]),)
 
 
 @register("Cosh")
 def cosh(n, dys, needs, e):
     """dx = dy * sinh(x)"""
-    return (e.Mul(dys[0], e.Sinh(n.inputs[0])),)
+    return (dys[0] * e.Sinh(n.inputs[0]),)
 
 
 @register("Asinh")
 def asinh(n, dys, needs, e):
     """dx = dy / sqrt(x^2 + 1)"""
     (x,) = n.inputs
-    return (e.Div(dys[0], e.Sqrt(e.Add(e.Mul(x, x), e.scalar(1.0, x)))),)
+    return (dys[0] / e.Sqrt(x * x + 1),)
 
 
 @register("Acosh")
 def acosh(n, dys, needs, e):
     """dx = dy / sqrt(x^2 - 1)   (x > 1)"""
     (x,) = n.inputs
-    return (e.Div(dys[0], e.Sqrt(e.Sub(e.Mul(x, x), e.scalar(1.0, x)))),)
+    return (dys[0] / e.Sqrt(x * x - 1),)
 
 
 @register("Atanh")
 def atanh(n, dys, needs, e):
     """dx = dy / (1 - x^2)   (|x| < 1)"""
-    return (e.Div(dys[0], _one_minus_sq(e, n.inputs[0])),)
+    (x,) = n.inputs
+    return (dys[0] / (1 - x * x),)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -106,7 +102,7 @@ def celu(n, dys, needs, e):
     dx = dy * exp(min(x, 0) / alpha)   (1 for x > 0, exp(x/alpha) for x <= 0)"""
     (x,) = n.inputs
     alpha = attr(n, "alpha", 1.0)
-    return (e.Mul(dys[0], e.Exp(e.Div(e.Min(x, e.scalar(0.0, x)), e.scalar(alpha, x)))),)
+    return (dys[0] * e.Exp(e.Min(x, e.scalar(0.0, x)) / alpha),)
 
 
 @register("Mish")
@@ -114,7 +110,7 @@ def mish(n, dys, needs, e):
     """y = x tanh(softplus(x)):  dx = dy * (t + x (1 - t^2) sigmoid(x)),  t = tanh(softplus(x))"""
     (x,) = n.inputs
     t = e.Tanh(e.Softplus(x))
-    return (e.Mul(dys[0], e.Add(t, e.Mul(e.Mul(x, _one_minus_sq(e, t)), e.Sigmoid(x)))),)
+    return (dys[0] * (t + x * (1 - t * t) * e.Sigmoid(x)),)
 
 
 @register("ThresholdedRelu")
@@ -141,8 +137,8 @@ def prelu(n, dys, needs, e):
     x, slope = n.inputs
     (dy,) = dys
     neg = e.Less(x, e.scalar(0.0, x))
-    dx = e.Where(neg, e.Mul(dy, slope), dy) if needs[0] else None
-    dslope = e.unbroadcast(keep(e, neg, e.Mul(dy, x)), slope) if needs[1] else None
+    dx = e.Where(neg, dy * slope, dy) if needs[0] else None
+    dslope = e.unbroadcast(keep(e, neg, dy * x), slope) if needs[1] else None
     return dx, dslope
 
 
@@ -151,16 +147,16 @@ def swish(n, dys, needs, e):
     """y = x sigmoid(alpha x):  dx = dy * (s + alpha y (1 - s)),  s = sigmoid(alpha x)"""
     (x,) = n.inputs
     (y,) = n.outputs
-    alpha = e.scalar(attr(n, "alpha", 1.0), x)
-    s = e.Sigmoid(e.Mul(alpha, x))
-    return (e.Mul(dys[0], e.Add(s, e.Mul(e.Mul(alpha, y), e.Sub(e.scalar(1.0, s), s)))),)
+    alpha = attr(n, "alpha", 1.0)
+    s = e.Sigmoid(alpha * x)
+    return (dys[0] * (s + alpha * y * (1 - s)),)
 
 
 @register("Mod")
 def mod(n, dys, needs, e):
     """Floats: z = a - q b with q = trunc(a/b) (fmod=1) or floor(a/b) (fmod=0; onnxruntime
     refuses floats there, the spec's reference computes it). q is piecewise constant:
-    da = dy, db = -dy * q. q is read off the output, q = round((a - z) / b), so it is the
+    da = dy, db = -(dy * q). q is read off the output, q = round((a - z) / b), so it is the
     exact integer the forward used."""
     a, b = n.inputs
     (z,) = n.outputs
@@ -168,8 +164,8 @@ def mod(n, dys, needs, e):
     da = e.unbroadcast(dy, a) if needs[0] else None
     db = None
     if needs[1]:
-        q = e.Round(e.Div(e.Sub(a, z), b))
-        db = e.unbroadcast(e.Neg(e.Mul(dy, q)), b)
+        q = e.Round((a - z) / b)
+        db = e.unbroadcast(-(dy * q), b)
     return da, db
 
 
@@ -198,5 +194,5 @@ def range_(n, dys, needs, e):
     ddelta = None
     if needs[2]:
         steps = e.Range(e.const(np.array(0, np.int64)), e.Size(dy), e.const(np.array(1, np.int64)))
-        ddelta = e.reduce("ReduceSum", e.Mul(dy, e.CastLike(steps, dy)), None, keepdims=False)
+        ddelta = e.reduce("ReduceSum", dy * e.CastLike(steps, dy), None, keepdims=False)
     return dstart, e.zeros_like(limit) if needs[1] else None, ddelta
