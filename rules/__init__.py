@@ -24,7 +24,8 @@ Rule modules (the op types each registers):
 * ``conv``: Conv ConvTranspose DeformConv CausalConvWithState
 * ``pooling``: AveragePool MaxPool GlobalAveragePool GlobalMaxPool MaxUnpool LpPool GlobalLpPool
 * ``roi``: RoiAlign MaxRoiPool
-* ``spatial``: Resize GridSample AffineGrid DepthToSpace SpaceToDepth Col2Im CenterCropPad
+* ``resize``: Resize
+* ``spatial``: GridSample AffineGrid DepthToSpace SpaceToDepth Col2Im CenterCropPad
 * ``normalization``: BatchNormalization LayerNormalization InstanceNormalization
   GroupNormalization
 * ``misc_norm``: LpNormalization MeanVarianceNormalization LRN RMSNormalization
