@@ -499,10 +499,13 @@ def test_graphsurgeon_graph_round_trip(tmp_path):
 def test_unusable_provider_warning_points_at_the_caller(monkeypatch):
     from gradbuilder.runtime import providers
 
-    monkeypatch.setattr(providers, "_works", lambda name: name == "CPUExecutionProvider")
-    monkeypatch.setattr(providers, "_warned", set())
-    with pytest.warns(RuntimeWarning, match="CUDAExecutionProvider is not usable") as record:
-        TrainingSession(linear(), params(), providers=["CUDAExecutionProvider"])
+    monkeypatch.setattr(providers, "works", lambda name: name == "CPUExecutionProvider")
+    providers.forget(["CUDAExecutionProvider"])  # reported again here, and again after
+    try:
+        with pytest.warns(RuntimeWarning, match="CUDAExecutionProvider is not usable") as record:
+            TrainingSession(linear(), params(), providers=["CUDAExecutionProvider"])
+    finally:
+        providers.forget(["CUDAExecutionProvider"])
     assert record[0].filename == __file__
 
 

@@ -20,13 +20,21 @@ CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
 
+def forget_everything():
+    """An empty probe cache, warning memory, session cache and plugin list."""
+    providers.forget()
+    providers.clear_training_ep_instances()
+    for name in discovery.plugin_libs():
+        discovery.remove_plugin_lib(name)
+
+
 @pytest.fixture
-def fresh(monkeypatch):
-    """Start from an empty probe cache, warning memory, session cache and plugin list."""
-    monkeypatch.setattr(discovery, "_probe_results", {})
-    monkeypatch.setattr(providers, "_warned", set())
-    monkeypatch.setattr(session_cache, "_sessions", {})
-    monkeypatch.setattr(discovery, "_plugin_libs", {})
+def fresh():
+    """Start from an empty probe cache, warning memory, session cache and plugin list, and
+    leave them empty (a later test probes and warns for itself)."""
+    forget_everything()
+    yield
+    forget_everything()
 
 
 def add_model_bytes(const=1.0):
@@ -241,7 +249,7 @@ def test_cached_session_never_caches_profiling(fresh, tmp_path, monkeypatch):
     a = providers.cached_session(model, options, [CPU], [{}])
     b = providers.cached_session(model, options, [CPU], [{}])
     assert a is not b
-    assert session_cache._sessions == {}
+    assert session_cache.cached_count() == 0
     a.end_profiling()
     b.end_profiling()
 
@@ -250,7 +258,7 @@ def test_clear_training_ep_instances(fresh):
     model = add_model_bytes()
     a = providers.cached_session(model, None, [CPU], [{}])
     providers.clear_training_ep_instances()
-    assert session_cache._sessions == {}
+    assert session_cache.cached_count() == 0
     assert providers.cached_session(model, None, [CPU], [{}]) is not a
 
 
@@ -282,7 +290,7 @@ def test_register_missing_library(fresh, tmp_path):
     missing = tmp_path / "libnothere.so"
     with pytest.raises(ProviderError, match="libnothere.so"):
         providers.register_provider_lib("NotHere", str(missing))
-    assert discovery._plugin_libs == {}
+    assert discovery.plugin_libs() == {}
 
 
 def test_register_non_library_file(fresh, tmp_path):
@@ -292,7 +300,7 @@ def test_register_non_library_file(fresh, tmp_path):
         providers.register_provider_lib("NotALib", str(text))
     assert str(text) in str(info.value)
     assert "Failed to load library" in str(info.value)  # onnxruntime's own message
-    assert discovery._plugin_libs == {}
+    assert discovery.plugin_libs() == {}
     with pytest.raises(ProviderError, match="NotALib"):
         providers.resolve_providers(["NotALib"])
 
@@ -316,7 +324,8 @@ def test_registered_plugin_bookkeeping(fresh, monkeypatch, tmp_path):
     providers.register_provider_lib("PluginEP", str(lib), {"a": 1, "b": 1})
     assert calls == [("register", "PluginEP", str(lib))]
 
-    discovery._probe_results["PluginEP"] = True  # as if the probe had found it working
+    real_probe = discovery.probe  # as if the probe had found it working
+    monkeypatch.setattr(discovery, "probe", lambda name: name == "PluginEP" or real_probe(name))
     names, options = providers.resolve_providers([("PluginEP", {"b": 2})])
     assert names == ["PluginEP", CPU]
     assert options == [{"a": "1", "b": "2"}, {}]
@@ -347,7 +356,7 @@ def test_version_and_build_strings():
 def test_cuda_computes_float32_in_float32_unless_tf32_is_allowed(fresh, monkeypatch):
     """onnxruntime's CUDA provider defaults to TF32 (use_tf32=1); gradbuilder asks for float32,
     as PyTorch does, unless allow_tf32 or the caller's own use_tf32 option says otherwise."""
-    monkeypatch.setattr(providers, "_works", lambda name: name in (CUDA, CPU))
+    monkeypatch.setattr(providers, "works", lambda name: name in (CUDA, CPU))
     assert providers.resolve_providers([CUDA]) == ([CUDA, CPU], [{"use_tf32": "0"}, {}])
     assert providers.resolve_providers([CUDA], allow_tf32=True) == ([CUDA, CPU], [{"use_tf32": "1"}, {}])
     assert providers.resolve_providers([(CUDA, {"use_tf32": 1})]) == ([CUDA, CPU], [{"use_tf32": "1"}, {}])

@@ -25,17 +25,19 @@ import onnxruntime as ort
 from ...errors import InvalidArgumentError, ProviderError
 # The names every caller imports from here, wherever they are defined (CPU, CUDA, options_with,
 # tf32_option and collective_backends too, outside __all__ as before).
-from .base import CPU, CUDA, _lock
+from .base import CPU, CUDA, lock
 from .build import collective_backends, get_build_info, get_version_string, has_collective_ops
 from .cuda_kernels import kernel_table_source, nodes_without_cuda_kernel
 from .discovery import (
-    _candidates,
-    _default_options,
-    _known_providers,
-    _works,
+    candidates,
+    default_options,
     expand_registration_names,
+    first_report,
+    forget,
     get_available_providers,
+    known_providers,
     tf32_option,
+    works,
 )
 from .plugins import register_provider_lib, unregister_provider_lib
 from .sessions import cached_session, clear_training_ep_instances, options_with
@@ -55,9 +57,7 @@ __all__ = [
     "unregister_provider_lib",
 ]
 
-# Providers already reported as unusable. resolve_providers reads it (and _works) through this
-# module's names, so a test may replace either here.
-_warned: set[str] = set()
+# resolve_providers reads ``works`` through this module's name, so a test may replace it here.
 
 
 def _normalize(providers, provider_options) -> list[tuple[str, dict]]:
@@ -128,12 +128,12 @@ def resolve_providers(providers=None, provider_options=None, allow_tf32: bool = 
     if providers is None:
         if provider_options is not None:
             raise InvalidArgumentError("provider_options was given without providers; give both")
-        names = [CUDA, CPU] if _works(CUDA) else [CPU]
-        return names, [_default_options(n, allow_tf32) for n in names]
+        names = [CUDA, CPU] if works(CUDA) else [CPU]
+        return names, [default_options(n, allow_tf32) for n in names]
 
-    with _lock:
+    with lock:
         pairs = _normalize(providers, provider_options)
-        known = _known_providers()
+        known = known_providers()
         for name, _ in pairs:
             if name not in known:
                 raise ProviderError(
@@ -145,14 +145,13 @@ def resolve_providers(providers=None, provider_options=None, allow_tf32: bool = 
 
         usable, dropped = [], []
         for name, options in pairs:
-            (usable if _works(name) else dropped).append((name, options))
+            (usable if works(name) else dropped).append((name, options))
         if not any(name == CPU for name, _ in usable):
             usable.append((CPU, {}))
         runs_on = usable[0][0]
         for name, _ in dropped:
-            if name not in _warned:
-                _warned.add(name)
-                if name in _candidates():
+            if first_report(name):
+                if name in candidates():
                     reason = "its libraries could not be loaded"
                 else:
                     reason = f"this onnxruntime {ort.__version__} build does not include it"
@@ -164,7 +163,7 @@ def resolve_providers(providers=None, provider_options=None, allow_tf32: bool = 
                 )
 
     names = [name for name, _ in usable]
-    options = [{**_default_options(name, allow_tf32), **opts} for name, opts in usable]
+    options = [{**default_options(name, allow_tf32), **opts} for name, opts in usable]
     return names, options
 
 

@@ -9,4 +9,4 @@ import threading
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
-_lock = threading.RLock()
+lock = threading.RLock()  # held while any of that state is read or changed

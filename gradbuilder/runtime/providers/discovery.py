@@ -18,7 +18,7 @@ import warnings
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .base import CPU, CUDA, _lock
+from .base import CPU, CUDA, lock
 
 # Providers that cannot be checked with a plain session. The Azure provider only runs
 # nodes of its own remote-inference operators and needs no local libraries, so a plain
@@ -30,9 +30,56 @@ _UNPROBED = frozenset({"AzureExecutionProvider"})
 _DEFAULT_LOGGER_SEVERITY = 2
 
 _probe_results: dict[str, bool] = {}  # provider name -> works here
+_reported: set[str] = set()  # providers already reported unusable (resolve_providers warns once per provider)
 # The plugin libraries registered (``plugins.register_provider_lib``):
 # registration name -> {"path", "ep_names", "defaults"}
 _plugin_libs: dict[str, dict] = {}
+
+
+def plugin_libs() -> dict[str, dict]:
+    """The registered plugin libraries (a copy): registration name -> {"path": the library's
+    file, "ep_names": its execution providers, "defaults": their default options}."""
+    with lock:
+        return {name: {"path": lib["path"], "ep_names": list(lib["ep_names"]), "defaults": dict(lib["defaults"])}
+                for name, lib in _plugin_libs.items()}
+
+
+def add_plugin_lib(name: str, path: str, ep_names: list[str], defaults: dict[str, str]) -> None:
+    """Keep the plugin library registered with onnxruntime as ``name`` (``plugins.register_provider_lib``
+    registers it): ``path`` its file, ``ep_names`` the execution providers it brought, ``defaults``
+    their default options. Its providers are known names from now on."""
+    with lock:
+        _plugin_libs[name] = {"path": path, "ep_names": list(ep_names), "defaults": dict(defaults)}
+
+
+def remove_plugin_lib(name: str) -> None:
+    """Forget the plugin library kept as ``name`` (``plugins.unregister_provider_lib``
+    unregisters it from onnxruntime first); nothing when there is none."""
+    with lock:
+        _plugin_libs.pop(name, None)
+
+
+def forget(names=None) -> None:
+    """Forget what was found out about the providers ``names`` (every provider when None):
+    whether they work here (probed again when next asked) and that they were reported
+    unusable (reported again). For a provider whose library came or went."""
+    with lock:
+        if names is None:
+            _probe_results.clear()
+            _reported.clear()
+        for name in names or ():
+            _probe_results.pop(name, None)
+            _reported.discard(name)
+
+
+def first_report(name: str) -> bool:
+    """Whether provider ``name`` is reported unusable for the first time in this process (it
+    is not again until ``forget``)."""
+    with lock:
+        if name in _reported:
+            return False
+        _reported.add(name)
+        return True
 
 
 def plugin_ep_names() -> list[str]:
@@ -112,7 +159,7 @@ def _probe_model() -> bytes:
     return model.SerializeToString()
 
 
-def _probe(name: str) -> bool:
+def probe(name: str) -> bool:
     """Whether a session asked for ``name`` really gets it (onnxruntime falls back to the
     CPU without saying so when a provider's libraries are missing)."""
     options = ort.SessionOptions()
@@ -125,7 +172,7 @@ def _probe(name: str) -> bool:
                 _probe_model(),
                 sess_options=options,
                 providers=[name, CPU],
-                provider_options=[_default_options(name), {}],
+                provider_options=[default_options(name), {}],
                 enable_fallback=0,
             )
             return name in session.get_providers()
@@ -153,7 +200,7 @@ def check_one_build() -> None:
                       f"files, so keep one: pip uninstall -y {names} && pip install <the one you want>", stacklevel=3)
 
 
-def _candidates() -> list[str]:
+def candidates() -> list[str]:
     """Non-CPU providers worth probing, in onnxruntime's priority order, plugins after."""
     check_one_build()
     names = [n for n in ort.get_available_providers() if n != CPU]
@@ -161,19 +208,19 @@ def _candidates() -> list[str]:
     return names
 
 
-def _works(name: str) -> bool:
+def works(name: str) -> bool:
     """Whether ``name`` works here; probed once per process. Providers this onnxruntime
     build does not list (and no plugin library provides) do not work and are not probed."""
     if name == CPU:
         return True
-    with _lock:
+    with lock:
         if name not in _probe_results:
-            if name not in _candidates():
+            if name not in candidates():
                 return False
             if name in _UNPROBED:
                 _probe_results[name] = name in ort.get_available_providers()
             else:
-                _probe_results[name] = _probe(name)
+                _probe_results[name] = probe(name)
         return _probe_results[name]
 
 
@@ -186,11 +233,11 @@ def get_available_providers() -> list[str]:
     prints nothing. ``"AzureExecutionProvider"`` cannot be checked that way and counts as
     available exactly when onnxruntime lists it.
     """
-    with _lock:
-        return [n for n in _candidates() if _works(n)] + [CPU]
+    with lock:
+        return [n for n in candidates() if works(n)] + [CPU]
 
 
-def _known_providers() -> list[str]:
+def known_providers() -> list[str]:
     """Every name onnxruntime could know: its built-in list plus registered plugins."""
     names = list(ort.get_all_providers())
     names.extend(n for n in registered_names() if n not in names)
@@ -202,7 +249,7 @@ def tf32_option(allow_tf32: bool) -> dict:
     return {"use_tf32": "1" if allow_tf32 else "0"}
 
 
-def _default_options(name: str, allow_tf32: bool = False) -> dict:
+def default_options(name: str, allow_tf32: bool = False) -> dict:
     """Default options of a provider: CUDA's TF32 setting, a plugin provider's options given
     to :func:`register_provider_lib`."""
     if name == CUDA:

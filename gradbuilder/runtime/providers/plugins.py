@@ -11,17 +11,7 @@ import onnxruntime as ort
 
 from ...errors import InvalidArgumentError, ProviderError
 from . import discovery, sessions
-from .base import _lock
-
-
-def _forget(names) -> None:
-    """What was found out about the providers ``names`` before their library came or went:
-    whether they work (discovery) and that they were reported unusable (resolution)."""
-    from . import _warned  # the package's (imported here: the package imports this module)
-
-    for ep in names:
-        discovery._probe_results.pop(ep, None)
-        _warned.discard(ep)
+from .base import lock
 
 
 def register_provider_lib(name: str, shared_lib_path: str, default_options: dict | None = None) -> None:
@@ -40,11 +30,12 @@ def register_provider_lib(name: str, shared_lib_path: str, default_options: dict
     path = os.path.abspath(os.fspath(shared_lib_path))
     if not os.path.isfile(path):
         raise ProviderError(f"execution provider library {path} does not exist")
-    with _lock:
-        if name in discovery._plugin_libs:
+    with lock:
+        registered = discovery.plugin_libs()
+        if name in registered:
             raise ProviderError(
                 f"a plugin library is already registered as {name!r} "
-                f"({discovery._plugin_libs[name]['path']}); unregister it first"
+                f"({registered[name]['path']}); unregister it first"
             )
         before = {d.ep_name for d in ort.get_ep_devices()}
         try:
@@ -58,12 +49,8 @@ def register_provider_lib(name: str, shared_lib_path: str, default_options: dict
         for device in ort.get_ep_devices():
             if device.ep_name not in before and device.ep_name not in ep_names:
                 ep_names.append(device.ep_name)
-        discovery._plugin_libs[name] = {
-            "path": path,
-            "ep_names": ep_names,
-            "defaults": {str(k): str(v) for k, v in (default_options or {}).items()},
-        }
-        _forget([name, *ep_names])
+        discovery.add_plugin_lib(name, path, ep_names, {str(k): str(v) for k, v in (default_options or {}).items()})
+        discovery.forget([name, *ep_names])  # found out before the library came
 
 
 def unregister_provider_lib(name: str) -> None:
@@ -72,12 +59,12 @@ def unregister_provider_lib(name: str) -> None:
     Cached sessions using its providers are dropped first; sessions held elsewhere must
     be released before calling this (onnxruntime requires it).
     """
-    with _lock:
-        lib = discovery._plugin_libs.get(name)
+    with lock:
+        registered = discovery.plugin_libs()
+        lib = registered.get(name)
         if lib is None:
-            registered = ", ".join(discovery._plugin_libs) or "none"
             raise ProviderError(
-                f"no plugin library is registered as {name!r} (registered: {registered})"
+                f"no plugin library is registered as {name!r} (registered: {', '.join(registered) or 'none'})"
             )
         names = {name, *lib["ep_names"]}
         sessions.drop_sessions_of(names)
@@ -87,5 +74,5 @@ def unregister_provider_lib(name: str) -> None:
             raise ProviderError(
                 f"onnxruntime could not unregister execution provider library {name!r}: {exc}"
             ) from exc
-        del discovery._plugin_libs[name]
-        _forget(names)
+        discovery.remove_plugin_lib(name)
+        discovery.forget(names)  # found out while the library was there

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import onnxruntime as ort
 
 from ...errors import InvalidArgumentError
-from .base import _lock
+from .base import lock
 
 # SessionOptions attributes that change what a session computes or how it runs.
 _OPTION_ATTRIBUTES = (
@@ -157,7 +157,7 @@ def cached_session(model_bytes: bytes, sess_options, providers, provider_options
         _options_fingerprint(sess_options),
         tuple(sorted(disabled_optimizers)),
     )
-    with _lock:
+    with lock:
         session = _sessions.get(key)
         if session is None:
             session = _sessions[key] = create()
@@ -166,12 +166,18 @@ def cached_session(model_bytes: bytes, sess_options, providers, provider_options
 
 def clear_training_ep_instances() -> None:
     """Forget every cached session (they are freed once nothing else holds them)."""
-    with _lock:
+    with lock:
         _sessions.clear()
+
+
+def cached_count() -> int:
+    """How many sessions the cache holds."""
+    with lock:
+        return len(_sessions)
 
 
 def drop_sessions_of(names) -> None:
     """Forget the cached sessions that use any of the providers ``names``."""
-    with _lock:
+    with lock:
         for key in [k for k in _sessions if set(names).intersection(k[1])]:
             del _sessions[key]
