@@ -10,10 +10,10 @@ The one-hot is an Equal against a Range of the classes, so targets outside [0, C
 ignore_index=-100) give an all-zero row and never index anything. With c the gradient each
 sample's loss receives (dy, dy broadcast, or dy/sum(W))::
 
-    dlp = -c*M*w                       (NegativeLogLikelihoodLoss: d input)
+    dlp = -(c*(M*w))                   (NegativeLogLikelihoodLoss: d input)
     dscores = G - softmax*sum_c(G),    G = dlp + d log_prob   (SoftmaxCrossEntropyLoss)
-    dw[c] = sum over n,d of M*c*nll          (none, sum)
-    dw[c] = sum over n,d of M*c*(nll - L)    (mean, L = the loss output)
+    dw[c] = sum over n,d of M*(c*nll)          (none, sum)
+    dw[c] = sum over n,d of M*(c*(nll - L))    (mean, L = the loss output)
 """
 
 import numpy as np
@@ -29,7 +29,7 @@ def _class_vector(e, v, x):
     dims = dims_of(x)
     if dims is not None:
         return e.Unsqueeze(v, list(range(1, len(dims) - 1))) if len(dims) > 2 else v
-    extra = e.Sub(e.Shape(e.Shape(x)), e.ints([2]))
+    extra = e.Shape(e.Shape(x)) - e.ints([2])
     ones = e.op("ConstantOfShape", extra, value=ir.tensor(np.array([1], dtype=np.int64)))
     return e.Reshape(v, e.op("Concat", e.ints([-1]), ones, axis=0))
 
@@ -74,28 +74,28 @@ def _loss_grads(n, dy, needs, e, lp):
     keep = _target_mask(e, x, labels, attr(n, "ignore_index", None))
     m = e.CastLike(keep, x)
     w = _class_vector(e, e.CastLike(weights, x), x) if weights is not None else None
-    mw = e.Mul(m, w) if w is not None else m
+    mw = m * w if w is not None else m
     if reduction == "none":
         c = e.Unsqueeze(dy, [1])
     elif reduction == "sum":
         c = dy
     else:
-        c = e.Div(dy, e.reduce("ReduceSum", mw, None, keepdims=False))
-    dlp = e.Neg(e.Mul(c, mw))
+        c = dy / e.reduce("ReduceSum", mw, None, keepdims=False)
+    dlp = -(c * mw)
     dw = None
     if wants(needs, 2):
         # Where, not M*lp: log-probabilities of other classes may be -inf
-        nll = e.Neg(e.reduce("ReduceSum", e.Where(keep, lp, e.scalar(0.0, lp)), [1], keepdims=True))
+        nll = -e.reduce("ReduceSum", e.Where(keep, lp, e.scalar(0.0, lp)), [1], keepdims=True)
         if reduction == "mean":
-            nll = e.Sub(nll, n.outputs[0])
-        dw = e.CastLike(_sum_but_classes(e, e.Mul(m, e.Mul(c, nll)), x), weights)
+            nll = nll - n.outputs[0]
+        dw = e.CastLike(_sum_but_classes(e, m * (c * nll), x), weights)
     return dlp, dw
 
 
 @register("NegativeLogLikelihoodLoss")
 def nll_loss(n, dys, needs, e):
     """loss = -w[t]*input[n, t, ..] (0 for ignored targets), reduced:
-    d input = -c*M*w, d w[c] = sum M*c*nll (minus the mean loss for 'mean')."""
+    d input = -(c*(M*w)), d w[c] = sum M*(c*nll) (nll minus the mean loss for 'mean')."""
     (dy,) = dys
     dinput, dw = _loss_grads(n, dy, needs, e, n.inputs[0])
     return [dinput if needs[0] else None, None, dw][: len(n.inputs)]
@@ -104,7 +104,7 @@ def nll_loss(n, dys, needs, e):
 @register("SoftmaxCrossEntropyLoss")
 def softmax_cross_entropy_loss(n, dys, needs, e):
     """log_prob = LogSoftmax(scores, axis=1); loss = NegativeLogLikelihoodLoss(log_prob):
-    G = -c*M*w + d log_prob, d scores = G - softmax*sum_c(G)."""
+    G = -(c*(M*w)) + d log_prob, d scores = G - softmax*sum_c(G)."""
     x = n.inputs[0]
     dy, dlog_prob = (list(dys) + [None])[:2]
     lp = optional_output(n, 1)
@@ -112,8 +112,8 @@ def softmax_cross_entropy_loss(n, dys, needs, e):
         lp = e.LogSoftmax(x, axis=1)
     g, dw = _loss_grads(n, dy, needs, e, lp) if dy is not None else (None, None)
     if dlog_prob is not None:
-        g = dlog_prob if g is None else e.Add(g, dlog_prob)
+        g = dlog_prob if g is None else g + dlog_prob
     dx = None
     if needs[0] and g is not None:
-        dx = e.Sub(g, e.Mul(e.Exp(lp), e.reduce("ReduceSum", g, [1], keepdims=True)))
+        dx = g - e.Exp(lp) * e.reduce("ReduceSum", g, [1], keepdims=True)
     return [dx, None, dw][: len(n.inputs)]

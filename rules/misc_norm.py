@@ -31,7 +31,7 @@ def lp_normalization(n, dys, needs, e):
         raise GradientRuleError(f"LpNormalization: p must be 1 or 2, got {p}")
     norm = e.reduce("ReduceL1" if p == 1 else "ReduceL2", x, [axis], keepdims=True)
     g = e.Sign(x) if p == 1 else y
-    return (safe_div(e, e.Sub(dy, e.Mul(g, sum_over(e, e.Mul(dy, y), [axis]))), norm),)
+    return (safe_div(e, dy - g * sum_over(e, dy * y, [axis]), norm),)
 
 
 # ----------------------------------------------------------------------------- MeanVarianceNormalization
@@ -47,11 +47,11 @@ def mean_variance_normalization(n, dys, needs, e):
     (y,) = n.outputs
     (dy,) = dys
     axes = [int(a) for a in attr(n, "axes", [0, 2, 3])]
-    d = e.Sub(x, mean_over(e, x, axes))
-    std = e.Sqrt(mean_over(e, e.Mul(d, d), axes))
-    s = e.Add(std, e.scalar(1e-9, x))
-    centered = e.Sub(dy, mean_over(e, dy, axes))
-    return (e.Div(e.Sub(centered, e.Mul(safe_div(e, d, std), mean_over(e, e.Mul(dy, y), axes))), s),)
+    d = x - mean_over(e, x, axes)
+    std = e.Sqrt(mean_over(e, d * d, axes))
+    s = std + 1e-9
+    centered = dy - mean_over(e, dy, axes)
+    return ((centered - safe_div(e, d, std) * mean_over(e, dy * y, axes)) / s,)
 
 
 # ----------------------------------------------------------------------------- LRN
@@ -87,10 +87,9 @@ def lrn(n, dys, needs, e):
     alpha, beta, bias = attr(n, "alpha", 1e-4), attr(n, "beta", 0.75), attr(n, "bias", 1.0)
     rank = rank_of(x, y, dy, op=n.op_type)
     lo, hi = (size - 1) // 2, size // 2
-    s = e.Add(e.scalar(bias, x), e.Mul(e.scalar(alpha / size, x), _channel_window_sum(e, e.Mul(x, x), lo, hi, rank)))
-    back = _channel_window_sum(e, e.Div(e.Mul(dy, y), s), hi, lo, rank)
-    direct = e.Mul(dy, e.Pow(s, e.scalar(-beta, s)))
-    return (e.Sub(direct, e.Mul(e.Mul(e.scalar(2.0 * alpha * beta / size, x), x), back)),)
+    s = bias + alpha / size * _channel_window_sum(e, x * x, lo, hi, rank)
+    back = _channel_window_sum(e, dy * y / s, hi, lo, rank)
+    return (dy * s ** -beta - 2.0 * alpha * beta / size * x * back,)
 
 
 # ----------------------------------------------------------------------------- RMSNormalization
@@ -108,8 +107,8 @@ def rms_normalization(n, dys, needs, e):
                  form="mean")
     dx = dscale = None
     if needs[1]:
-        dscale = e.unbroadcast(e.Mul(dy, e.CastLike(st.xhat, dy)), scale)
+        dscale = e.unbroadcast(dy * e.CastLike(st.xhat, dy), scale)
     if needs[0]:
-        g = e.CastLike(e.Mul(dy, e.CastLike(scale, dy)), xc)
+        g = e.CastLike(dy * e.CastLike(scale, dy), xc)
         dx = e.CastLike(st.backward(g), x)
     return dx, dscale

@@ -9,7 +9,7 @@ Over the normalized axes (M elements)::
 the standard backward, with g = dxhat and the gradients dmu, dr, dvar arriving at outputs that
 expose mu, r or the variance::
 
-    dx = r (g - mean(g) - xhat mean(g xhat)) + (dmu - dr r^2 xhat + 2 dvar xhat / r)/M
+    dx = r (g - mean(g) - xhat mean(g xhat)) + (dmu - dr r^2 xhat + (2 dvar / r) xhat)/M
 
 (no mean(g) and no dmu when not centered). The dtype the statistics are computed in is
 :func:`gradbuilder.rules.helpers.compute_type`.
@@ -45,7 +45,7 @@ def count_over(e, like, axes, reduced=None):
     if isinstance(axes, list) and d is not None and all(isinstance(d[a], int) for a in axes):
         return e.scalar(float(np.prod([d[a] for a in axes])), like)
     if reduced is not None:
-        return e.CastLike(e.Div(e.Size(like), e.Size(reduced)), like)
+        return e.CastLike(e.Size(like) / e.Size(reduced), like)
     index = e.ints(axes) if isinstance(axes, list) else axes
     count = e.reduce("ReduceProd", e.Gather(e.Shape(like), index, axis=0), None, keepdims=False)
     if like.dtype is not None or e.opset >= 15:
@@ -80,12 +80,12 @@ class Moments:
         self._count = None
         if saved is not None:
             self.mu, self.r = (cast_to(e, v, x.dtype) for v in saved)
-            self.xhat = xhat if xhat is not None else e.Mul(e.Sub(x, self.mu) if centered else x, self.r)
+            self.xhat = xhat if xhat is not None else (x - self.mu if centered else x) * self.r
             return
         self.mu = self.mean(x) if centered else None
-        d = e.Sub(x, self.mu) if centered else x
-        self.r = e.Reciprocal(e.Sqrt(e.Add(self.mean(e.Mul(d, d)), e.scalar(eps, x))))
-        self.xhat = e.Mul(d, self.r)
+        d = x - self.mu if centered else x
+        self.r = e.Reciprocal(e.Sqrt(self.mean(d * d) + eps))
+        self.xhat = d * self.r
 
     @property
     def count(self):
@@ -102,7 +102,7 @@ class Moments:
         total = e.reduce("ReduceSum", v, self.axes, keepdims=True)
         if self._count is None and self.form == "sum":
             self._count = count_over(e, self.x, self.axes, total)
-        return e.Div(total, self.count)
+        return total / self.count
 
     def backward(self, g, dmu=None, dr=None, dvar=None):
         """dx from g = dxhat and the gradients of mu, r and var = mean((x - mu)^2) (any may be
@@ -110,27 +110,27 @@ class Moments:
         e, xhat, r = self.e, self.xhat, self.r
         dx = None
         if g is not None:
-            projection = lambda: e.Mul(xhat, self.mean(e.Mul(g, xhat)))  # noqa: E731
+            projection = lambda: xhat * self.mean(g * xhat)  # noqa: E731
             if not self.centered:
-                inner = e.Sub(g, projection())
+                inner = g - projection()
             elif self.form == "sum":
-                inner = e.Sub(e.Sub(g, self.mean(g)), projection())
+                inner = g - self.mean(g) - projection()
             else:
-                inner = e.Sub(e.Sub(g, projection()), self.mean(g))
-            dx = e.Mul(r, inner)
+                inner = g - projection() - self.mean(g)
+            dx = r * inner
         extra = None
         if dmu is not None and self.centered:
             extra = cast_to(e, dmu, xhat.dtype)
         if dr is not None:
-            part = e.Mul(e.Mul(cast_to(e, dr, xhat.dtype), e.Mul(r, r)), xhat)
-            extra = e.Neg(part) if extra is None else e.Sub(extra, part)
+            part = cast_to(e, dr, xhat.dtype) * (r * r) * xhat
+            extra = -part if extra is None else extra - part
         if dvar is not None:
-            part = e.Mul(e.Div(e.Mul(cast_to(e, dvar, xhat.dtype), e.scalar(2.0, xhat)), r), xhat)
-            extra = part if extra is None else e.Add(extra, part)
+            part = cast_to(e, dvar, xhat.dtype) * 2 / r * xhat
+            extra = part if extra is None else extra + part
         if extra is None:
             return dx
-        extra = e.Div(extra, self.count)
+        extra = extra / self.count
         if dx is not None:
-            return e.Add(dx, extra)
+            return dx + extra
         # dmu alone is one value per statistic: broadcast it to x's shape
         return e.expand_like(extra, xhat) if dr is None and dvar is None else extra

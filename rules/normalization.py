@@ -89,24 +89,24 @@ def _batch_norm(n, dys, needs, e, training):
         s = Moments(e, x3, [0, 2], eps)
         xhat = s.xhat
         if needs[0]:
-            rest = e.scalar(1.0 - momentum, x3)
+            rest = 1.0 - momentum
             dmu = _per_channel(e, dsaved_mu, x3) if dsaved_mu is not None else None
             if drm is not None:
-                part = e.Mul(rest, _per_channel(e, drm, x3))
-                dmu = part if dmu is None else e.Add(dmu, part)
-            dv = e.Mul(rest, _per_channel(e, drv, x3)) if drv is not None else None
-            dx = s.backward(e.Mul(dy3, scale_c) if dy3 is not None else None, dmu=dmu, dvar=dv)
-        if needs[3] and drm is not None:  # d/dinput_mean = momentum * d running_mean
-            dmean = e.CastLike(e.Mul(drm, e.scalar(momentum, drm)), mean)
+                part = rest * _per_channel(e, drm, x3)
+                dmu = part if dmu is None else dmu + part
+            dv = rest * _per_channel(e, drv, x3) if drv is not None else None
+            dx = s.backward(dy3 * scale_c if dy3 is not None else None, dmu=dmu, dvar=dv)
+        if needs[3] and drm is not None:  # d/dinput_mean = d running_mean * momentum
+            dmean = e.CastLike(drm * momentum, mean)
         if needs[4] and drv is not None:
-            dvar = e.CastLike(e.Mul(drv, e.scalar(momentum, drv)), var)
+            dvar = e.CastLike(drv * momentum, var)
     else:
-        r = e.Reciprocal(e.Sqrt(e.Add(_per_channel(e, var, x3), e.scalar(eps, x3))))
-        xhat = e.Mul(e.Sub(x3, _per_channel(e, mean, x3)), r)
+        r = e.Reciprocal(e.Sqrt(_per_channel(e, var, x3) + eps))
+        xhat = (x3 - _per_channel(e, mean, x3)) * r
         if needs[0]:
-            dx = e.Mul(dy3, e.Mul(scale_c, r))
+            dx = dy3 * (scale_c * r)
     if dy3 is not None:
-        sum_dy_xhat = _sum_nl(e, e.Mul(dy3, xhat)) if (needs[1] or (needs[4] and not training)) else None
+        sum_dy_xhat = _sum_nl(e, dy3 * xhat) if (needs[1] or (needs[4] and not training)) else None
         sum_dy = _sum_nl(e, dy3) if (needs[2] or (needs[3] and not training)) else None
         if needs[1]:
             dscale = e.CastLike(sum_dy_xhat, scale)
@@ -115,11 +115,11 @@ def _batch_norm(n, dys, needs, e, training):
         if not training:
             r_c = e.Squeeze(r, [1])
             scale_v = e.CastLike(scale, x3)
-            if needs[3]:  # d/dmean = -sum(dy)*scale*r
-                dmean = e.CastLike(e.Neg(e.Mul(sum_dy, e.Mul(scale_v, r_c))), mean)
-            if needs[4]:  # d/dvar = -1/2 * scale * r^2 * sum(dy*xhat)
-                half = e.Mul(e.scalar(-0.5, x3), e.Mul(scale_v, e.Mul(r_c, r_c)))
-                dvar = e.CastLike(e.Mul(half, sum_dy_xhat), var)
+            if needs[3]:  # d/dmean = -(sum(dy)*(scale*r))
+                dmean = e.CastLike(-(sum_dy * (scale_v * r_c)), mean)
+            if needs[4]:  # d/dvar = (-1/2 * (scale * r^2)) * sum(dy*xhat)
+                half = -0.5 * (scale_v * (r_c * r_c))
+                dvar = e.CastLike(half * sum_dy_xhat, var)
     if dx is not None:
         dx = e.CastLike(_ungrouped(e, dx, x), x)
     return dx, dscale, db, dmean, dvar
@@ -139,7 +139,7 @@ def batch_norm_9(n, dys, needs, e):
 @register("BatchNormalization", since=14)
 def batch_norm(n, dys, needs, e):
     """BatchNormalization-14/15: training_mode=0: y = scale*(x-mean)/sqrt(var+eps) + B,
-    dx = dy*scale*r, dmean = -scale*r*sum(dy), dvar = -scale*r^2/2*sum(dy*xhat);
+    dx = dy*(scale*r), dmean = -(sum(dy)*(scale*r)), dvar = (-1/2*(scale*r^2))*sum(dy*xhat);
     training_mode=1: y = scale*xhat + B with the batch statistics mu, var (population variance
     over all axes but 1), dx through those statistics; running_mean = momentum*input_mean +
     (1-momentum)*mu and running_var = momentum*input_var + (1-momentum)*var: their gradients
@@ -155,7 +155,7 @@ def layer_norm(n, dys, needs, e):
     """LayerNormalization-17: statistics over axes [axis, rank); Y = xhat*Scale + B,
     Mean = mu, InvStdDev = r (computed in stash_type; the backward reads them from the node,
     whose outputs ``passes.expose_masks`` adds where a weight reaches it).
-    dX = r*(g - mean(g) - xhat*mean(g*xhat)) + (dMean - dInvStdDev*r^2*xhat)/M with g = dY*Scale;
+    dX = r*(g - xhat*mean(g*xhat) - mean(g)) + (dMean - dInvStdDev*r^2*xhat)/M with g = dY*Scale;
     dScale = unbroadcast(dY*xhat), dB = unbroadcast(dY)."""
     x, scale = n.inputs[:2]
     b = n.inputs[2] if len(n.inputs) > 2 else None
@@ -170,11 +170,11 @@ def layer_norm(n, dys, needs, e):
     if dy is not None:
         xhat = e.CastLike(s.xhat, x)
         if needs[1]:
-            dscale = e.unbroadcast(e.Mul(dy, xhat), scale)
+            dscale = e.unbroadcast(dy * xhat, scale)
         if wants(needs, 2):
             db = e.unbroadcast(dy, b)
     if needs[0]:
-        dxhat = e.CastLike(e.Mul(dy, scale), xc) if dy is not None else None
+        dxhat = e.CastLike(dy * scale, xc) if dy is not None else None
         dx = s.backward(dxhat, dmu, dr)
         dx = e.CastLike(dx, x) if dx is not None else None
     return [dx, dscale, db][: len(n.inputs)]
@@ -215,12 +215,12 @@ def _grouped_norm(n, dys, needs, e, groups, per_group_affine, stash):
     scale_a = _per_channel(e, scale, dy_a)
     dx = dscale = db = None
     if needs[0]:
-        dxhat = e.Mul(dy_a, scale_a)
+        dxhat = dy_a * scale_a
         if not per_group_affine and groups != 0:
             dxhat = _grouped(e, dxhat, x, groups)
         dx = e.CastLike(_ungrouped(e, s.backward(e.CastLike(dxhat, xg)), x), x)
     if needs[1]:
-        dscale = e.CastLike(_sum_nl(e, e.Mul(dy_a, xhat_a)), scale)
+        dscale = e.CastLike(_sum_nl(e, dy_a * xhat_a), scale)
     if needs[2]:
         db = e.CastLike(_sum_nl(e, dy_a), b)
     return dx, dscale, db

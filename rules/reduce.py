@@ -74,7 +74,7 @@ def _d_mean(n, e, x, dy, y, noop):
     dims = dims_of(x)
     if axes is None and dims is not None:
         axes = list(range(len(dims)))
-    return e.Div(dy, count_over(e, x, axes, n.outputs[0]))
+    return dy / count_over(e, x, axes, n.outputs[0])
 
 
 def _d_extreme(n, e, x, dy, y, noop):
@@ -82,39 +82,39 @@ def _d_extreme(n, e, x, dy, y, noop):
     if noop:
         return dy
     mask = e.CastLike(e.Equal(x, y), x)
-    return e.Div(e.Mul(dy, mask), e.expand_like(_same(n, e, "ReduceSum", mask), x))
+    return dy * mask / e.expand_like(_same(n, e, "ReduceSum", mask), x)
 
 
 def _d_l2(n, e, x, dy, y, noop):
-    """d sqrt(sum x^2) = dy * x / y  (0 where y = 0)"""
+    """d sqrt(sum x^2) = dy * (x / y)  (0 where y = 0)"""
     if noop:
-        return e.Mul(dy, e.Sign(x))
+        return dy * e.Sign(x)
     safe = e.Where(e.Equal(y, e.scalar(0.0, x)), e.scalar(1.0, x), y)
-    return e.Mul(dy, e.Div(x, safe))
+    return dy * (x / safe)
 
 
 def _d_l1(n, e, x, dy, y, noop):
     """d sum|x| = dy * sign(x)"""
-    return e.Mul(dy, e.Sign(x))
+    return dy * e.Sign(x)
 
 
 def _d_sum_square(n, e, x, dy, y, noop):
-    """d sum x^2 = 2 x dy"""
-    return e.Mul(dy, e.Mul(e.scalar(2.0, x), x))
+    """d sum x^2 = dy * (2 x)"""
+    return dy * (2 * x)
 
 
 def _d_log_sum_exp(n, e, x, dy, y, noop):
     """d log(sum exp x) = dy * exp(x - y)"""
     if noop:
         return dy
-    return e.Mul(dy, e.Exp(e.Sub(x, y)))
+    return dy * e.Exp(x - y)
 
 
 def _d_log_sum(n, e, x, dy, y, noop):
     """d log(sum x) = dy / sum(x) = dy / exp(y)"""
     if noop:
-        return e.Div(dy, x)
-    return e.Div(dy, e.Exp(y))
+        return dy / x
+    return dy / e.Exp(y)
 
 
 def _d_prod(n, e, x, dy, y, noop):
@@ -129,9 +129,9 @@ def _d_prod(n, e, x, dy, y, noop):
     others = e.Where(
         is_zero,
         e.Where(e.Equal(zeros, one), prod_nz, zero),  # the only zero: product of the rest
-        e.Where(e.Equal(zeros, zero), e.Div(prod_nz, x_nz), zero),
+        e.Where(e.Equal(zeros, zero), prod_nz / x_nz, zero),
     )
-    return e.Mul(dy, others)
+    return dy * others
 
 
 for _name, _fn in {

@@ -28,7 +28,7 @@ def softmax(n, dys, needs, e):
     (dy,) = dys
     if not n.meta.get(FINITE_INPUT):
         y = _nan_to_zero(e, y)
-    return (e.Mul(y, e.Sub(dy, sum_over(e, e.Mul(dy, y), [attr(n, "axis", -1)]))),)
+    return (y * (dy - sum_over(e, dy * y, [attr(n, "axis", -1)])),)
 
 
 @register("LogSoftmax", since=13)
@@ -39,4 +39,4 @@ def log_softmax(n, dys, needs, e):
     p = e.Exp(y)
     if not n.meta.get(FINITE_INPUT):
         p = _nan_to_zero(e, p)
-    return (e.Sub(dy, e.Mul(p, sum_over(e, dy, [attr(n, "axis", -1)]))),)
+    return (dy - p * sum_over(e, dy, [attr(n, "axis", -1)]),)
