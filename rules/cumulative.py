@@ -68,5 +68,5 @@ def cumprod(n, dys, needs, e):
     inner = iadd(e, axis, 1)
     inner_scalar = e.const(np.array(inner, np.int64)) if isinstance(inner, int) else e.Reshape(inner, [])
     partial = e.CumProd(rows, inner_scalar, exclusive=exclusive, reverse=reverse)
-    terms = keep(e, inside, e.Mul(e.Unsqueeze(dy, vec(e, axis)), partial))
+    terms = keep(e, inside, e.Unsqueeze(dy, vec(e, axis)) * partial)
     return e.reduce("ReduceSum", terms, [inner] if isinstance(inner, int) else inner, keepdims=False), None

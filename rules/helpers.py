@@ -130,7 +130,7 @@ def keep(e, cond, v):
 def safe_div(e, num, den):
     """num / den, and 0 where den == 0 (den broadcasts against num)."""
     zero = e.Equal(den, e.scalar(0.0, den))
-    out = e.Div(num, e.Where(zero, e.scalar(1.0, den), den))
+    out = num / e.Where(zero, e.scalar(1.0, den), den)
     return e.Where(zero, e.scalar(0.0, out), out)
 
 

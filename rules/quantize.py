@@ -46,8 +46,9 @@ def group_sum(e, g, x, scale, axis: int, block: int):
     if isinstance(n, int) and isinstance(blocks, int):
         extra = blocks * block - n
     else:
-        extra = e.Sub(e.Mul(blocks if not isinstance(blocks, int) else e.ints([blocks]), e.ints([block])),
-                      n if not isinstance(n, int) else e.ints([n]))
+        blocks_v = blocks if not isinstance(blocks, int) else e.ints([blocks])
+        n_v = n if not isinstance(n, int) else e.ints([n])
+        extra = blocks_v * e.ints([block]) - n_v
     g = pad_axis(e, g, rank, axis, 0, extra)
     target = [e.ints([0] * axis)] if axis else []
     target += [blocks if not isinstance(blocks, int) else e.ints([blocks]), e.ints([block, -1])]
@@ -68,10 +69,10 @@ def dequantize_linear(n, dys, needs, e):
     axis = int(attr(n, "axis", 1))
     block = int(attr(n, "block_size", 0))
     dy = e.CastLike(dy, scale)
-    grad = group_sum(e, e.Mul(dy, e.CastLike(x, scale)), x, scale, axis, block)
+    grad = group_sum(e, dy * e.CastLike(x, scale), x, scale, axis, block)
     if zp is not None and x.dtype not in _ZERO_POINT_FREE:
         zpf = e.CastLike(zp, scale)
         if dims_of(zp) != dims_of(scale):  # e.g. a scalar scale with a 1-element zero point
             zpf = reshape_like(e, zpf, scale)
-        grad = e.Sub(grad, e.Mul(zpf, group_sum(e, dy, x, scale, axis, block)))
+        grad = grad - zpf * group_sum(e, dy, x, scale, axis, block)
     return [None, grad] + [None] * (len(n.inputs) - 2)

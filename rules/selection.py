@@ -53,9 +53,9 @@ def one_hot(n, dys, needs, e):
     if needs[2]:
         hot = e.OneHot(indices, depth, e.const(np.array([0.0, 1.0]), dtype=values.dtype or ir.DataType.FLOAT),
                        axis=attr(n, "axis", -1))
-        on = e.Reshape(e.reduce("ReduceSum", e.Mul(dy, hot), None, keepdims=False), [1])
+        on = e.Reshape(e.reduce("ReduceSum", dy * hot, None, keepdims=False), [1])
         total = e.Reshape(e.reduce("ReduceSum", dy, None, keepdims=False), [1])
-        dvalues = e.Concat(e.Sub(total, on), on, axis=0)
+        dvalues = e.Concat(total - on, on, axis=0)
     return (e.zeros_like(indices) if needs[0] else None, e.zeros_like(depth) if needs[1] else None, dvalues)
 
 
@@ -77,8 +77,8 @@ def unique(n, dys, needs, e):
     if inverse is None or counts is None:
         _, _, inverse, counts = e.op("Unique", x, outputs=4, axis=axis, sorted=attr(n, "sorted", 1))
     if axis is None:
-        share = e.Div(dy, e.CastLike(counts, dy))
+        share = dy / e.CastLike(counts, dy)
         return (reshape_like(e, e.Gather(share, inverse), x),)
     trailing = -1 - axis if axis < 0 else Dims(e, x).need_rank("Unique") - 1 - axis
-    share = e.Div(dy, e.Reshape(e.CastLike(counts, dy), [-1] + [1] * trailing))
+    share = dy / e.Reshape(e.CastLike(counts, dy), [-1] + [1] * trailing)
     return (e.Gather(share, inverse, axis=axis),)
