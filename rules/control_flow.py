@@ -47,9 +47,14 @@ def _clone(graph: ir.Graph, e, suffix: str) -> ir.Graph:
 
 
 def _seed(seeds: dict, value: ir.Value, dy: ir.Value | None, sub) -> None:
+    """Add ``dy`` to the gradient seeded at ``value`` (a value of ``sub``'s graph)."""
     if dy is None:
         return
-    seeds[value] = sub.Add(seeds[value], dy) if value in seeds else dy
+    if value not in seeds:
+        seeds[value] = dy
+        return
+    with sub.math():
+        seeds[value] = seeds[value] + dy
 
 
 def _or_zeros(grads: dict, v: ir.Value, sub) -> ir.Value:
@@ -157,6 +162,28 @@ class Sliced(NamedTuple):
     direction: int
 
 
+class _LoopParts(NamedTuple):
+    """What a backward Scan is built from (see _reverse_scan)."""
+
+    carried: list[Carried]
+    feeds: list[Stacked]
+    scan_seeds: list[Stacked]
+    slice_grads: list[Sliced]
+    outer: list[ir.Value]
+
+
+class _Ranks(NamedTuple):
+    """The ranks of the backward Scan's states (carried values), sums (outer values) and scan
+    outputs (scan input slices); None where unknown: that value travels flattened to one axis."""
+
+    states: list
+    sums: list
+    slices: list
+
+    def all(self) -> list:
+        return self.states + self.sums + self.slices
+
+
 def _reverse_scan(n, e, at, *, carried: list[Carried], feeds: list[Stacked], scan_seeds: list[Stacked],
                   slice_grads: list[Sliced], outer: list[ir.Value]):
     """The backward Scan of a loop node ``n`` whose body is ``n.attributes['body']``.
@@ -169,81 +196,125 @@ def _reverse_scan(n, e, at, *, carried: list[Carried], feeds: list[Stacked], sca
     The Scan is emitted with the emitter ``at``. Returns (d initial carried values,
     d scan inputs, d outer values).
     """
+    parts = _LoopParts(carried, feeds, scan_seeds, slice_grads, outer)
+    ranks = _travel_ranks(n, parts)
+    g = _backward_body(n, e, parts, ranks)
+    outs = _emit_backward_scan(n, at, g, parts, ranks)
+    k = len(carried)
+    return outs[:k], outs[k + len(outer):], outs[k:k + len(outer)]
+
+
+def _travel_ranks(n, parts: _LoopParts) -> _Ranks:
+    """The ranks the backward Scan's values travel with: a carried value, outer value or scan
+    input of unknown rank travels through the backward Scan flattened to one axis, and takes its
+    shape back after it (an error for a scan input of unknown rank scanned along another axis)."""
     body = n.attributes["body"].value
-    index = {v: i for i, v in enumerate(body.inputs)}
-    fed = {f.index for f in feeds}
-    # A carried value, outer value or scan input of unknown rank travels through the
-    # backward Scan flattened to one axis, and takes its shape back after it.
-    state_ranks = [rank_of(c.inside, c.out, c.init) for c in carried]
-    outer_ranks = [rank_of(v) for v in outer]
-    slice_ranks = [rank_of(body.inputs[s.index]) if body.inputs[s.index].shape is not None
-                   else (r - 1 if (r := rank_of(n.inputs[s.index])) is not None else None) for s in slice_grads]
-    for s, r in zip(slice_grads, slice_ranks):
+    slice_ranks = [_slice_rank(n, body, s) for s in parts.slice_grads]
+    for s, r in zip(parts.slice_grads, slice_ranks):
         if r is None and s.axis != 0:
             raise GradientRuleError(
                 f"the rank of scan input '{n.inputs[s.index].name}' is unknown and it is scanned along axis "
                 f"{s.axis}; declare its shape (at least its rank) in the model")
+    return _Ranks([rank_of(c.inside, c.out, c.init) for c in parts.carried], [rank_of(v) for v in parts.outer],
+                  slice_ranks)
 
+
+def _slice_rank(n, body, s: Sliced):
+    """The rank of one slice of scan input ``s``: its body input's, else the outer input's less one."""
+    if body.inputs[s.index].shape is not None:
+        return rank_of(body.inputs[s.index])
+    r = rank_of(n.inputs[s.index])
+    return r - 1 if r is not None else None
+
+
+def _backward_body(n, e, parts: _LoopParts, ranks: _Ranks) -> ir.Graph:
+    """The backward Scan's body: a copy of the forward body reading (d states, d sums, the fed
+    values, d scan outputs) and returning (d states, d sums, d scan inputs) one iteration back."""
+    body = n.attributes["body"].value
     g = _clone(body, e, "bw")
     sub = e.child(g)
     d_states = [_input_like(c.inside, e.unique(f"{c.inside.name}_dstate"), _declared(c.inside, r))
-                for c, r in zip(carried, state_ranks)]
-    d_outer = [_input_like(v, e.unique(f"{v.name}_dsum"), _declared(v, r)) for v, r in zip(outer, outer_ranks)]
-    fed_inputs = [g.inputs[f.index] for f in feeds]
+                for c, r in zip(parts.carried, ranks.states)]
+    d_outer = [_input_like(v, e.unique(f"{v.name}_dsum"), _declared(v, r)) for v, r in zip(parts.outer, ranks.sums)]
+    fed_inputs = [g.inputs[f.index] for f in parts.feeds]
     d_slices = [_input_like(body.outputs[s.index], e.unique(f"{body.outputs[s.index].name}_dslice"))
-                for s in scan_seeds]
+                for s in parts.scan_seeds]
+    grads = _walk_body(body, g, sub, parts, ranks, d_states, d_slices)
+    outputs = _stepped_back(body, g, sub, grads, parts, ranks, d_outer)
+    g.inputs.clear()
+    g.inputs.extend(d_states + d_outer + fed_inputs + d_slices)
+    likes = [c.inside for c in parts.carried] + list(parts.outer) + [body.inputs[s.index] for s in parts.slice_grads]
+    _as_outputs(g, outputs, likes, sub, [_declared(v, r) for v, r in zip(likes, ranks.all())])
+    return g
 
+
+def _walk_body(body, g, sub, parts: _LoopParts, ranks: _Ranks, d_states, d_slices) -> dict:
+    """The gradients of the body copy ``g``'s carried inputs, sliced inputs and outer values, from
+    the d states at the carried outputs (reshaped to them where they travel flattened) and the
+    d scan outputs at the scan outputs."""
+    index = {v: i for i, v in enumerate(body.inputs)}
     seeds: dict = {}
-    for c, d, r in zip(carried, d_states, state_ranks):
+    for c, d, r in zip(parts.carried, d_states, ranks.states):
         target = g.outputs[body.outputs.index(c.out)]
         _seed(seeds, target, d if r is not None else sub.Reshape(d, sub.Shape(target)), sub)
-    for s, d in zip(scan_seeds, d_slices):
+    for s, d in zip(parts.scan_seeds, d_slices):
         _seed(seeds, g.outputs[s.index], d, sub)
-    wanted = [g.inputs[index[c.inside]] for c in carried]
-    wanted += [g.inputs[s.index] for s in slice_grads] + list(outer)
-    grads = walk(g, list(dict.fromkeys(wanted)), seeds, sub)
+    wanted = [g.inputs[index[c.inside]] for c in parts.carried]
+    wanted += [g.inputs[s.index] for s in parts.slice_grads] + list(parts.outer)
+    return walk(g, list(dict.fromkeys(wanted)), seeds, sub)
+
+
+def _stepped_back(body, g, sub, grads: dict, parts: _LoopParts, ranks: _Ranks, d_outer) -> list:
+    """The backward body's outputs from the gradients ``grads``: d carried values one iteration
+    back (zeros where the body does not read one), the sums plus this iteration's share, the
+    d scan inputs; each flattened where its rank is unknown."""
+    index = {v: i for i, v in enumerate(body.inputs)}
+    fed = {f.index for f in parts.feeds}
 
     def flat_unless(v, rank):
         return v if rank is not None else _flat(sub, v)
 
     new_states = []
-    for c, r in zip(carried, state_ranks):
+    for c, r in zip(parts.carried, ranks.states):
         v = g.inputs[index[c.inside]]
         # a carried value the body never reads is not fed: its zeros take the body output's shape
         grad = grads[v] if v in grads else sub.zeros_like(v if index[c.inside] in fed else
                                                             g.outputs[body.outputs.index(c.out)])
         new_states.append(flat_unless(grad, r))
-    new_sums = [sub.Add(s, flat_unless(grads[v], r)) if v in grads else s
-                for s, v, r in zip(d_outer, outer, outer_ranks)]
-    slices = [flat_unless(_or_zeros(grads, g.inputs[s.index], sub), r) for s, r in zip(slice_grads, slice_ranks)]
-    g.inputs.clear()
-    g.inputs.extend(d_states + d_outer + fed_inputs + d_slices)
-    likes = [c.inside for c in carried] + list(outer) + [body.inputs[s.index] for s in slice_grads]
-    ranks = state_ranks + outer_ranks + slice_ranks
-    _as_outputs(g, new_states + new_sums + slices, likes, sub, [_declared(v, r) for v, r in zip(likes, ranks)])
+    with sub.math():
+        new_sums = [s + flat_unless(grads[v], r) if v in grads else s
+                    for s, v, r in zip(d_outer, parts.outer, ranks.sums)]
+    slices = [flat_unless(_or_zeros(grads, g.inputs[s.index], sub), r)
+              for s, r in zip(parts.slice_grads, ranks.slices)]
+    return new_states + new_sums + slices
 
-    init_states, init_sums = _initial_states(at, carried, outer)
-    init_states = [v if r is not None else _flat(at, v) for v, r in zip(init_states, state_ranks)]
-    init_sums = [v if r is not None else _flat(at, v) for v, r in zip(init_sums, outer_ranks)]
-    scanned = feeds + scan_seeds  # read in reverse
+
+def _emit_backward_scan(n, at, g, parts: _LoopParts, ranks: _Ranks) -> list:
+    """The backward Scan over body ``g``, emitted with ``at``: it starts from the d final values
+    and zero sums, reads the feeds and scan seeds in reverse, and its outputs take back the
+    shapes of the values they are the gradients of."""
+    init_states, init_sums = _initial_states(at, parts.carried, parts.outer)
+    init_states = [v if r is not None else _flat(at, v) for v, r in zip(init_states, ranks.states)]
+    init_sums = [v if r is not None else _flat(at, v) for v, r in zip(init_sums, ranks.sums)]
+    scanned = parts.feeds + parts.scan_seeds  # read in reverse
     outs = at.op(
         "Scan", *init_states, *init_sums, *[s.value for s in scanned],
-        outputs=len(carried) + len(outer) + len(slice_grads),
+        outputs=len(parts.carried) + len(parts.outer) + len(parts.slice_grads),
         body=g,
         num_scan_inputs=len(scanned),
         scan_input_axes=[s.axis for s in scanned],
         scan_input_directions=[1 - s.direction for s in scanned],
-        scan_output_axes=[s.axis for s in slice_grads] or None,
-        scan_output_directions=[1 - s.direction for s in slice_grads] or None,
+        scan_output_axes=[s.axis for s in parts.slice_grads] or None,
+        scan_output_directions=[1 - s.direction for s in parts.slice_grads] or None,
     )
     outs = list(outs) if isinstance(outs, tuple) else [outs]
-    outer_likes = [c.init for c in carried] + list(outer) + [n.inputs[s.index] for s in slice_grads]
-    for k, (like, r) in enumerate(zip(outer_likes, ranks)):
+    outer_likes = ([c.init for c in parts.carried] + list(parts.outer)
+                   + [n.inputs[s.index] for s in parts.slice_grads])
+    for k, (like, r) in enumerate(zip(outer_likes, ranks.all())):
         if r is None:  # back to the shape of the value it is the gradient of
             outs[k] = at.Reshape(outs[k], at.Shape(like))
         at.typed(outs[k], like.dtype, None)
-    k = len(carried)
-    return outs[:k], outs[k + len(outer):], outs[k:k + len(outer)]
+    return outs
 
 
 def _initial_states(e, carried, outer):
