@@ -216,7 +216,7 @@ def test_signatures_rank_mode_requires_grad_and_no_grad():
     with torch.no_grad():
         out = om(torch.randn(4, 10))  # forward graph only
     assert om.exports == 3 and not out.requires_grad
-    key = [k for k, c in om._compiled.items() if c.split is None]
+    key = [k for k, c in om.compiled_graphs.items() if c.split is None]
     assert len(key) == 1
     x = torch.randn(5, 10, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
@@ -301,7 +301,7 @@ def test_debug_options_save_onnx_and_log_level(tmp_path, caplog):
     assert {f"my_model_{k}_training_2.onnx" for k in kinds} <= names and len(names) == 14
     assert any("exporting Sequential" in r.getMessage() for r in caplog.records)
     assert logging.getLogger("gradbuilder.ortmodule").level == logging.INFO
-    compiled = next(iter(om._compiled.values()))
+    compiled = next(iter(om.compiled_graphs.values()))
     # onnxruntime's INFO lines are its graph transformers' trace: its sessions stay at WARNING
     assert compiled.forward_graph.session.get_session_options().log_severity_level == 2
     with pytest.raises(InvalidArgumentError, match="onnx_prefix must be provided when save_onnx is set"):

@@ -317,7 +317,7 @@ def test_detaching_integer_ids_and_a_mask_is_fine_beside_a_detached_activation()
     ref, om = _pair(DetachedIds())
     ids = torch.tensor([[0, 1, 2, 4], [3, 0, 1, 1], [2, 2, 0, 1], [4, 3, 2, 1]])
     _same_gradients(ref, om, ids, batches=((4, 4, 3), (4, 4, 3)))
-    compiled = next(iter(om._compiled.values()))
+    compiled = next(iter(om.compiled_graphs.values()))
     assert len(compiled.exported.stop_gradients) == 1  # the activation's detach only
 
 

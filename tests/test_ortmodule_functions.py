@@ -425,7 +425,7 @@ def test_the_marks_of_cut_gradients_are_not_graph_breaks():
     om = ORTModule(copy.deepcopy(ref))
     x = torch.randn(4, 3)
     om(x).sum().backward()
-    assert all(isinstance(c, Compiled) for c in om._compiled.values())  # one graph pair, no break
+    assert all(isinstance(c, Compiled) for c in om.compiled_graphs.values())  # one graph pair, no break
     ref(x).sum().backward()
     torch.testing.assert_close(om.module.lin.weight.grad, ref.lin.weight.grad)
 

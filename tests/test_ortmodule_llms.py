@@ -85,7 +85,7 @@ def test_expert_routing_stays_in_one_graph_for_any_batch(architecture):
         data = batch(False, size=size, length=6 + seed, seed=seed)
         with _quiet():
             torch.testing.assert_close(wrapped(**data).loss, plain(**data).loss, rtol=1e-5, atol=0)
-    (compiled,) = wrapped._compiled.values()  # one export, not one per batch size (a dict of them)
+    (compiled,) = wrapped.compiled_graphs.values()  # one export, not one per batch size (a dict of them)
     assert not isinstance(compiled, (dict, str)), compiled
     assert model.config._experts_implementation == before
     assert wrapped.module.config._experts_implementation == before
@@ -98,7 +98,7 @@ def test_a_moe_model_with_graph_breaks_trains_as_in_pytorch(monkeypatch):
     (it used to fail with a KeyError there)."""
     from gradbuilder.ortmodule import conversions
 
-    monkeypatch.setattr(conversions, "_experts_in_one_graph", lambda module: contextlib.nullcontext())
+    monkeypatch.setattr(conversions, "experts_in_one_graph", lambda module: contextlib.nullcontext())
     with _quiet():
         model = causal_lm("qwen2_moe", "eager")
     assert_trains_as_pytorch(model, batch(False), steps=2, graph_breaks=True)

@@ -157,7 +157,7 @@ def llm(name: str, seq: int) -> torch.nn.Module:
 def the_compiled(model: ORTModule):
     """The forward and backward graphs of ``model``'s one export (of its first batch shape, for
     an export that holds for the traced sizes only)."""
-    (compiled,) = model._compiled.values()
+    (compiled,) = model.compiled_graphs.values()
     return next(iter(compiled.values())) if isinstance(compiled, dict) else compiled
 
 

@@ -33,7 +33,7 @@ GRAPH_EXPERTS = "gradbuilder_per_expert"  # the experts implementation one graph
 @contextlib.contextmanager
 def converting(module: torch.nn.Module):
     """While the trace of ``module`` runs: the conversions above."""
-    with _experts_in_one_graph(module), _symbolics(), _Conversions():
+    with experts_in_one_graph(module), _symbolics(), _Conversions():
         yield
 
 
@@ -123,7 +123,7 @@ def _linear(layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 @contextlib.contextmanager
-def _experts_in_one_graph(module: torch.nn.Module):
+def experts_in_one_graph(module: torch.nn.Module):
     """The configs of ``module``'s transformers experts layers set to ``GRAPH_EXPERTS`` while
     it is traced, and put back after."""
     configs = {id(m.config): m.config for m in module.modules()

@@ -7,6 +7,7 @@ import copyreg
 import collections
 import contextlib
 import inspect
+import types
 import warnings
 
 import onnxruntime as ort
@@ -215,6 +216,14 @@ class ORTModule(torch.nn.Module):
         """How many times the module was exported (one per input signature, or per input shape
         where the exported graph fixed a size)."""
         return self._exports
+
+    @property
+    def compiled_graphs(self) -> types.MappingProxyType:
+        """What the module was compiled to so far (read-only), per input signature: its
+        ``Compiled`` (the forward and backward graphs and their sessions), ``"fallback"`` (it runs
+        in PyTorch), a list of them (graphs for the values the code read of its tensors), or a
+        dict of them per input shape (an export that holds for the traced sizes only)."""
+        return types.MappingProxyType(self._compiled)
 
     def _call(self, compiled: Compiled | breaks.Broken, leaves, params, buffers):
         ex = compiled.exported
