@@ -67,8 +67,8 @@ def _biased(n, dys, needs, e, slope):
     """y = f(x + bias) with an optional 1-D bias: dx = dy * f'(x + bias), dbias = sum of dx
     over every axis but the last."""
     x, bias = n.inputs[0], optional_input(n, 1)
-    u = x if bias is None else e.Add(x, bias)
-    dx = e.Mul(dys[0], slope(e, u))
+    u = x if bias is None else x + bias
+    dx = dys[0] * slope(e, u)
     grads = [dx if needs[0] else None, _sum_to(e, dx, bias) if wants(needs, 1) else None]
     return grads[: len(n.inputs)]
 
@@ -76,7 +76,7 @@ def _biased(n, dys, needs, e, slope):
 @register("Gelu", domain=MS)
 def gelu(n, dys, needs, e):
     """y = x Phi(x) (exact, erf form):  dx = dy * (Phi(x) + x phi(x))."""
-    return [e.Mul(dys[0], gelu_slope(e, n.inputs[0]))]
+    return [dys[0] * gelu_slope(e, n.inputs[0])]
 
 
 @register("BiasGelu", domain=MS)
@@ -96,12 +96,11 @@ def fast_gelu(n, dys, needs, e):
 @register("QuickGelu", domain=MS)
 def quick_gelu(n, dys, needs, e):
     """y = x sigmoid(alpha x) (alpha = 1.702 by default):
-    dx = dy * s (1 + alpha x (1 - s)), s = sigmoid(alpha x)."""
+    dx = dy * (s (1 + alpha x (1 - s))), s = sigmoid(alpha x)."""
     (x,) = n.inputs
-    alpha = e.scalar(float(attr(n, "alpha", 1.702)), x)
-    s = e.Sigmoid(e.Mul(alpha, x))
-    local = e.Mul(s, e.Add(e.scalar(1.0, x), e.Mul(e.Mul(alpha, x), e.Sub(e.scalar(1.0, x), s))))
-    return [e.Mul(dys[0], local)]
+    alpha = float(attr(n, "alpha", 1.702))
+    s = e.Sigmoid(alpha * x)
+    return [dys[0] * (s * (1 + alpha * x * (1 - s)))]
 
 
 # ----------------------------------------------------------------------------- FusedMatMul
@@ -157,11 +156,11 @@ def fused_matmul(n, dys, needs, e):
     alpha = float(attr(n, "alpha", 1.0))
     ta, tba = attr(n, "transA", 0), attr(n, "transBatchA", 0)
     b2, pb = _operand(e, b, attr(n, "transB", 0), attr(n, "transBatchB", 0), "B")
-    dy = dys[0] if alpha == 1.0 else e.Mul(dys[0], e.scalar(alpha, first_typed(dys[0], a, b)))
+    dy = dys[0] if alpha == 1.0 else dys[0] * e.scalar(alpha, first_typed(dys[0], a, b))
     if dims_of(a) is None:
         if ta or tba or len(dims_of(b2)) != 2:
             raise _unknown_rank("A", a)
-        da = e.MatMul(dy, e.Transpose(b2, perm=[1, 0])) if needs[0] else None
+        da = dy @ e.Transpose(b2, perm=[1, 0]) if needs[0] else None
         db = e.Gemm(_rows_first(e, a, b2, 0), _rows_first(e, dy, b2, 1), transA=1) if needs[1] else None
         pa = None
     else:
@@ -186,19 +185,19 @@ def _skip_norm(n, dys, needs, e, centered):
     dy, dmu, dr, dsum = _padded(dys, 4)
     if not centered:
         dmu = None  # SkipSimplifiedLayerNormalization's mean output is not computed (zeros)
-    s = e.Add(x, skip)
+    s = x + skip
     if bias is not None:
-        s = e.Add(s, bias)
+        s = s + bias
     e.typed(s, x.dtype, dims_of(x))
     ds = xhat = None
     if dy is not None or dmu is not None or dr is not None:
         ct = compute_type(x)
         st = Moments(e, cast_to(e, s, ct), [-1], float(attr(n, "epsilon", 1e-12)), centered, form="mean")
         xhat = st.xhat
-        g = cast_to(e, e.Mul(dy, gamma), ct) if dy is not None else None
+        g = cast_to(e, dy * gamma, ct) if dy is not None else None
         ds = cast_to(e, st.backward(g, cast_to(e, dmu, ct), cast_to(e, dr, ct)), x.dtype)
     if dsum is not None:
-        ds = dsum if ds is None else e.Add(ds, dsum)
+        ds = dsum if ds is None else ds + dsum
     grads = [None] * len(n.inputs)
     if ds is not None:
         grads[0] = ds if needs[0] else None
@@ -208,7 +207,7 @@ def _skip_norm(n, dys, needs, e, centered):
             grads[k] = _sum_to(e, ds, bias) if needs[k] else None
     if dy is not None:
         if needs[2]:
-            grads[2] = _sum_to(e, e.Mul(dy, cast_to(e, xhat, gamma.dtype)), gamma)
+            grads[2] = _sum_to(e, dy * cast_to(e, xhat, gamma.dtype), gamma)
         if beta is not None and needs[3]:
             grads[3] = _sum_to(e, dy, beta)
     return grads
@@ -219,7 +218,7 @@ def skip_layer_norm(n, dys, needs, e):
     """s = input + skip + bias, y = (s - mu) r gamma + beta over the last axis,
     r = 1/sqrt(var + epsilon) (epsilon = 1e-12 by default; statistics in float for 16-bit
     inputs); outputs y, mean = mu, inv_std_var = r, input_skip_bias_sum = s.
-    ds = r (g - mean(g) - xhat mean(g xhat)) + (dmean - dinv_std_var r^2 xhat)/M
+    ds = r (g - xhat mean(g xhat) - mean(g)) + (dmean - dinv_std_var r^2 xhat)/M
     + dinput_skip_bias_sum with g = dy gamma; dinput = ds, dskip and dbias = ds summed to their
     shapes; dgamma = sum(dy xhat), dbeta = sum(dy) over every axis but the last."""
     return _skip_norm(n, dys, needs, e, centered=True)
@@ -247,10 +246,10 @@ def _simplified_layer_norm(n, dys, needs, e):
                  float(attr(n, "epsilon", 1e-5)), centered=False, form="mean")
     dx = dscale = None
     if needs[0]:
-        g = e.Mul(cast_to(e, dy, ct), cast_to(e, scale, ct)) if dy is not None else None
+        g = cast_to(e, dy, ct) * cast_to(e, scale, ct) if dy is not None else None
         dx = cast_to(e, st.backward(g, None, cast_to(e, dr, ct)), x.dtype)
     if needs[1] and dy is not None:
-        dscale = _sum_to(e, e.Mul(dy, cast_to(e, st.xhat, scale.dtype)), scale)
+        dscale = _sum_to(e, dy * cast_to(e, st.xhat, scale.dtype), scale)
     return [dx, dscale]
 
 
@@ -293,7 +292,7 @@ def bias_softmax(n, dys, needs, e):
     inner = attr(n, "is_inner_broadcast", None)
     inner = True if inner is None else bool(inner)  # the older form (broadcast_axis) is inner
     axes = trailing_axes(e, x, axis)
-    dz = e.Mul(y, e.Sub(dy, e.reduce("ReduceSum", e.Mul(dy, y), axes, keepdims=True)))
+    dz = y * (dy - e.reduce("ReduceSum", dy * y, axes, keepdims=True))
     e.typed(dz, x.dtype, dims_of(x))
     db = None
     if needs[1]:
@@ -305,7 +304,7 @@ def bias_softmax(n, dys, needs, e):
             db = e.Reshape(e.reduce("ReduceSum", grouped, [1 if inner else 0], keepdims=False), list(bd))
         else:
             ev = e.ints([elems]) if isinstance(elems, int) else elems
-            rows = e.Div(e.Reshape(e.Size(b), [1]), ev)
+            rows = e.Reshape(e.Size(b), [1]) / ev
             shape3 = e.Concat(rows, e.ints([-1]), ev, axis=0) if inner else e.Concat(e.ints([-1]), rows, ev, axis=0)
             summed = e.reduce("ReduceSum", e.Reshape(dz, shape3), [1 if inner else 0], keepdims=False)
             db = e.Reshape(summed, e.Shape(b))

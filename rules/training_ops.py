@@ -24,27 +24,27 @@ TRAINING = "ai.onnx.preview.training"
 # ----------------------------------------------------------------------------- helpers
 
 
-def _sub(e, a, b):
+def _sub(a, b):
     """a - b where None is zero."""
     if b is None:
         return a
     if a is None:
-        return e.Neg(b)
-    return e.Sub(a, b)
+        return -b
+    return a - b
 
 
-def _mul(e, a, b):
+def _mul(a, b):
     """a * b where None (a zero tensor) stays None."""
     if a is None or b is None:
         return None
-    return e.Mul(a, b)
+    return a * b
 
 
-def _scale(e, v, c: float, like):
+def _scale(v, c: float):
     """v * c for a Python constant c (None stays None; c == 1 emits nothing)."""
     if v is None or c == 0.0:
         return None if c == 0.0 else v
-    return v if c == 1.0 else e.Mul(v, e.scalar(c, like))
+    return v if c == 1.0 else v * c
 
 
 def _groups(n, dys, k_in: int):
@@ -69,7 +69,7 @@ def _t_positive(e, n):
 
 def _regularized(e, x, g, nc: float):
     """gr = nc * X + G."""
-    return g if nc == 0.0 else e.Add(e.Mul(e.scalar(nc, x), x), g)
+    return g if nc == 0.0 else nc * x + g
 
 
 def _finish(e, n, needs, grads, r_parts):
@@ -98,10 +98,10 @@ def adagrad(n, dys, needs, e):
         f = 1 / (1 + T*d),  r = R*f,  gr = nc*X + G
         H_new = H + gr^2,   s = sqrt(H_new) + eps,   X_new = X - r*gr/s
 
-    With a = dX_new, b = dH_new, q = a*r/s::
+    With a = dX_new, b = dH_new, q = (a/s)*r::
 
         dH = b + q*gr / (2*s*sqrt(H_new))
-        d gr = 2*gr*dH - q,   dX = a + nc*d gr,   dG = d gr,   dR = -sum(a*gr/s) * f
+        d gr = 2*gr*dH - q,   dX = a + nc*d gr,   dG = d gr,   dR = -sum((a/s)*gr*f)
     """
     nc = attr(n, "norm_coefficient", 0.0)
     decay = attr(n, "decay_factor", 0.0)
@@ -110,27 +110,26 @@ def adagrad(n, dys, needs, e):
     like = n.inputs[2]
     f = None
     if decay != 0.0:
-        one = e.scalar(1.0, like)
-        f = e.Div(one, e.Add(one, e.Mul(_t_float(e, n, like), e.scalar(decay, like))))
+        f = 1 / (1 + _t_float(e, n, like) * decay)
     rx = e.CastLike(n.inputs[0], like)
-    r = rx if f is None else e.Mul(rx, f)
+    r = rx if f is None else rx * f
     grads, r_parts = {}, []
     for i, ((ix, ig, ih), (a, b)) in enumerate(zip(groups, douts)):
         x, g = n.inputs[ix], n.inputs[ig]
         h_new = n.outputs[m + i]
         gr = _regularized(e, x, g, nc)
         root = e.Sqrt(h_new)
-        s = e.Add(root, e.scalar(eps, x))
-        a_s = None if a is None else e.Div(a, s)
-        q = _mul(e, a_s, r)
-        dh = e.accumulate(b, None if q is None else e.Div(e.Mul(q, gr), e.Mul(e.Mul(e.scalar(2.0, x), s), root)))
-        dgr = _sub(e, _mul(e, e.Mul(e.scalar(2.0, x), gr), dh), q)
-        grads[ix] = e.accumulate(a, _scale(e, dgr, nc, x))
+        s = root + eps
+        a_s = None if a is None else a / s
+        q = _mul(a_s, r)
+        dh = e.accumulate(b, None if q is None else q * gr / (2 * s * root))
+        dgr = _sub(_mul(2 * gr, dh), q)
+        grads[ix] = e.accumulate(a, _scale(dgr, nc))
         grads[ig] = dgr
         grads[ih] = dh
         if needs[0] and a_s is not None:
-            part = e.Neg(e.Mul(a_s, gr))
-            r_parts.append(part if f is None else e.Mul(part, f))
+            part = -(a_s * gr)
+            r_parts.append(part if f is None else part * f)
     return _finish(e, n, needs, grads, r_parts)
 
 
@@ -147,8 +146,8 @@ def momentum(n, dys, needs, e):
 
     With a = dX_new, b = dV_new::
 
-        standard: dV_new' = b - R*a,        d gr = ba*dV_new',          dR = -sum(a*V_new)
-        nesterov: dV_new' = b - alpha*R*a,  d gr = ba*dV_new' - R*a,    dR = -sum(a*(gr + alpha*V_new))
+        standard: dV_new' = b - R*a,          d gr = ba*dV_new',          dR = -sum(a*V_new)
+        nesterov: dV_new' = b - alpha*(R*a),  d gr = ba*dV_new' - R*a,    dR = -sum(a*(gr + alpha*V_new))
         dV = alpha*dV_new',  dX = a + nc*d gr,  dG = d gr
     """
     nc = attr(n, "norm_coefficient", 0.0)
@@ -166,19 +165,19 @@ def momentum(n, dys, needs, e):
     for i, ((ix, ig, iv), (a, b)) in enumerate(zip(groups, douts)):
         x, g = n.inputs[ix], n.inputs[ig]
         v_new = n.outputs[m + i]
-        ra = _mul(e, r, a)
-        dv_new = _sub(e, b, _scale(e, ra, alpha, x) if nesterov else ra)
-        dgr = dv_new if ba is None else _mul(e, dv_new, ba)
+        ra = _mul(r, a)
+        dv_new = _sub(b, _scale(ra, alpha) if nesterov else ra)
+        dgr = dv_new if ba is None else _mul(dv_new, ba)
         if nesterov:
-            dgr = _sub(e, dgr, ra)
-        grads[ix] = e.accumulate(a, _scale(e, dgr, nc, x))
+            dgr = _sub(dgr, ra)
+        grads[ix] = e.accumulate(a, _scale(dgr, nc))
         grads[ig] = dgr
-        grads[iv] = _scale(e, dv_new, alpha, x)
+        grads[iv] = _scale(dv_new, alpha)
         if needs[0] and a is not None:
             step = v_new
             if nesterov:
-                step = e.accumulate(_regularized(e, x, g, nc), _scale(e, v_new, alpha, x))
-            r_parts.append(e.Neg(e.Mul(a, step)))
+                step = e.accumulate(_regularized(e, x, g, nc), _scale(v_new, alpha))
+            r_parts.append(-(a * step))
     return _finish(e, n, needs, grads, r_parts)
 
 
@@ -193,12 +192,12 @@ def adam(n, dys, needs, e):
         s = sqrt(H_new) + eps,  c = sqrt(1-beta^T)/(1-alpha^T) if T > 0 else 1
         X_new = (1-ncp) * (X - R*c*V_new/s)
 
-    With a' = (1-ncp)*dX_new, b = dV_new, h = dH_new, q = a'*R*c/s::
+    With a' = (1-ncp)*dX_new, b = dV_new, h = dH_new, q = (a'/s)*(R*c)::
 
         dV_new' = b - q,   dH_new' = h + q*V_new / (2*s*sqrt(H_new))
         d gr = (1-alpha)*dV_new' + 2*(1-beta)*gr*dH_new'
         dX = a' + nc*d gr,  dG = d gr,  dV = alpha*dV_new',  dH = beta*dH_new'
-        dR = -sum(a'*c*V_new/s)
+        dR = -sum((a'/s)*V_new*c)
     """
     nc = attr(n, "norm_coefficient", 0.0)
     ncp = attr(n, "norm_coefficient_post", 0.0)
@@ -210,27 +209,26 @@ def adam(n, dys, needs, e):
     one = e.scalar(1.0, like)
     t = _t_float(e, n, like)
     t = e.Where(_t_positive(e, n), t, one)  # keeps 1 - alpha^T away from 0 where c is 1
-    bias = e.Div(e.Sqrt(e.Sub(one, e.Pow(e.scalar(beta, like), t))), e.Sub(one, e.Pow(e.scalar(alpha, like), t)))
+    bias = e.Sqrt(1 - beta ** t) / (1 - alpha ** t)
     c = e.Where(_t_positive(e, n), bias, one)
-    rc = e.Mul(e.CastLike(n.inputs[0], like), c)
+    rc = e.CastLike(n.inputs[0], like) * c
     grads, r_parts = {}, []
     for i, ((ix, ig, iv, ih), (a, b, h)) in enumerate(zip(groups, douts)):
         x = n.inputs[ix]
         v_new, h_new = n.outputs[m + i], n.outputs[2 * m + i]
         gr = _regularized(e, x, n.inputs[ig], nc)
-        a = _scale(e, a, 1.0 - ncp, x)
+        a = _scale(a, 1.0 - ncp)
         root = e.Sqrt(h_new)
-        s = e.Add(root, e.scalar(eps, x))
-        a_s = None if a is None else e.Div(a, s)
-        q = _mul(e, a_s, rc)
-        dv_new = _sub(e, b, q)
-        dh_new = e.accumulate(h, None if q is None else e.Div(e.Mul(q, v_new), e.Mul(e.Mul(e.scalar(2.0, x), s), root)))
-        dgr = e.accumulate(_scale(e, dv_new, 1.0 - alpha, x),
-                   _mul(e, _scale(e, gr, 2.0 * (1.0 - beta), x), dh_new))
-        grads[ix] = e.accumulate(a, _scale(e, dgr, nc, x))
+        s = root + eps
+        a_s = None if a is None else a / s
+        q = _mul(a_s, rc)
+        dv_new = _sub(b, q)
+        dh_new = e.accumulate(h, None if q is None else q * v_new / (2 * s * root))
+        dgr = e.accumulate(_scale(dv_new, 1.0 - alpha), _mul(_scale(gr, 2.0 * (1.0 - beta)), dh_new))
+        grads[ix] = e.accumulate(a, _scale(dgr, nc))
         grads[ig] = dgr
-        grads[iv] = _scale(e, dv_new, alpha, x)
-        grads[ih] = _scale(e, dh_new, beta, x)
+        grads[iv] = _scale(dv_new, alpha)
+        grads[ih] = _scale(dh_new, beta)
         if needs[0] and a_s is not None:
-            r_parts.append(e.Neg(e.Mul(e.Mul(a_s, v_new), c)))
+            r_parts.append(-(a_s * v_new * c))
     return _finish(e, n, needs, grads, r_parts)
