@@ -362,8 +362,29 @@ def balanced_cuts(model, stages: int, loss: str, weights: Iterable[str]) -> list
         raise InvalidArgumentError(f"balanced_cuts: stages must be 1 or more, not {stages}")
     if stages == 1:
         return []
-    data = set(g.constants) | set(g.inputs)  # values computed without the weights
-    seq = []  # the nodes computed from the weights, in graph order
+    data, seq = _weight_path(g)
+    position = {i: p for p, i in enumerate(seq)}
+    if g.producer[loss] not in position:
+        raise InvalidArgumentError(f"balanced_cuts: the loss '{loss}' is not computed from the weights")
+    crossing, ids, values, earliest = _crossings(g, seq, position)
+    tied, param_bytes = _weight_spans(g, position, len(seq))
+    types = inferred_types(proto)
+    flops = np.array([_cost(g, i, types) for i in seq], np.float64)
+    end = position[g.producer[loss]]
+    candidates = [p for p in range(earliest, end) if crossing[p] == 1 and not tied[p]]
+    if len(candidates) < stages - 1:
+        raise InvalidArgumentError(
+            f"balanced_cuts: the graph has {len(candidates)} places where a single value crosses, and {stages} stages "
+            f"need {stages - 1}; use fewer stages, or give the cuts (TrainingParameters.pipeline_cut_info_string)")
+    chosen = _least_largest_stage(candidates, stages, flops, param_bytes)
+    return [_cut_at(g, seq, position, p, values[ids[p]], data) for p in chosen]
+
+
+def _weight_path(g: _Graph) -> tuple[set[str], list[int]]:
+    """(the values computed without the weights: constants, graph inputs and what nodes compute
+    from them alone; the nodes computed from the weights, in graph order)."""
+    data = set(g.constants) | set(g.inputs)
+    seq = []
     for i, reads in enumerate(g.reads):
         if g.constant[i]:
             continue
@@ -371,11 +392,15 @@ def balanced_cuts(model, stages: int, loss: str, weights: Iterable[str]) -> list
             data.update(g.nodes[i].output)
         else:
             seq.append(i)
-    position = {i: p for p, i in enumerate(seq)}
-    if g.producer[loss] not in position:
-        raise InvalidArgumentError(f"balanced_cuts: the loss '{loss}' is not computed from the weights")
+    return data, seq
+
+
+def _crossings(g: _Graph, seq: list[int], position: dict[int, int]):
+    """The values of the weight path that cross each place: (after position p, how many values
+    cross; the sum of their ids; the values by id; the first position a cut may follow: that of
+    the last node reading no value of the path, which no cut before it could reach)."""
     n = len(seq)
-    crossing = np.zeros(n + 1, np.int64)  # after position p: how many values cross, and the sum of their ids
+    crossing = np.zeros(n + 1, np.int64)
     ids = np.zeros(n + 1, np.int64)
     values = []
     sources = [0]
@@ -390,11 +415,15 @@ def balanced_cuts(model, stages: int, loss: str, weights: Iterable[str]) -> list
                 ids[p] += len(values)
                 ids[max(readers)] -= len(values)
                 values.append(v)
-    crossing, ids = np.cumsum(crossing), np.cumsum(ids)
+    return np.cumsum(crossing), np.cumsum(ids), values, max(sources)
+
+
+def _weight_spans(g: _Graph, position: dict[int, int], n: int):
+    """(after position p, how many weights are read both at or before p and after it (a tied
+    weight no cut may split); the parameter bytes of each position, a weight counted at its
+    first reader)."""
     tied = np.zeros(n + 1, np.int64)
-    flops = np.zeros(n, np.float64)
     param_bytes = np.zeros(n, np.float64)
-    types = inferred_types(proto)
     for w in g.weights:
         readers = sorted(position[r] for r in g.readers.get(w, []) if r in position)
         if readers:
@@ -402,15 +431,14 @@ def balanced_cuts(model, stages: int, loss: str, weights: Iterable[str]) -> list
             tied[readers[-1]] -= 1
             t = g.initializers[w]
             param_bytes[readers[0]] += np.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    tied = np.cumsum(tied)
-    for p, i in enumerate(seq):
-        flops[p] = _cost(g, i, types)
-    end = position[g.producer[loss]]
-    candidates = [p for p in range(max(sources), end) if crossing[p] == 1 and not tied[p]]
-    if len(candidates) < stages - 1:
-        raise InvalidArgumentError(
-            f"balanced_cuts: the graph has {len(candidates)} places where a single value crosses, and {stages} stages "
-            f"need {stages - 1}; use fewer stages, or give the cuts (TrainingParameters.pipeline_cut_info_string)")
+    return np.cumsum(tied), param_bytes
+
+
+def _least_largest_stage(candidates: list[int], stages: int, flops, param_bytes) -> tuple[int, ...]:
+    """The ``stages`` - 1 positions among ``candidates`` to cut after whose largest stage costs
+    least (FLOPs, then parameter bytes; among equal costs, the later cuts): over the positions,
+    the best cuts ending at each candidate, one cut more per round."""
+    n = len(flops)
     total_f, total_b = np.concatenate([[0], np.cumsum(flops)]), np.concatenate([[0], np.cumsum(param_bytes)])
 
     def cost(a: int, b: int) -> tuple[float, float]:  # of the positions a+1 .. b
@@ -425,7 +453,7 @@ def balanced_cuts(model, stages: int, loss: str, weights: Iterable[str]) -> list
                        key=later)
                 for c in candidates if any(a < c for a in best)}
     _, chosen = min(((max(worst, cost(a, n - 1)), chosen) for a, (worst, chosen) in best.items()), key=later)
-    return [_cut_at(g, seq, position, p, values[ids[p]], data) for p in chosen]
+    return chosen
 
 
 def _cut_at(g: _Graph, seq: list[int], position: dict[int, int], p: int, value: str, data: set[str]) -> list[CutEdge]:
