@@ -87,7 +87,6 @@ def _activations(n, num_dirs):
 def _act_forward(e, act, x):
     """y = f(x) for one activation (name, alpha, beta)."""
     name, a, b = act
-    s = lambda v: e.scalar(v, like=x)  # noqa: E731
     if name == "tanh":
         return e.Tanh(x)
     if name == "sigmoid":
@@ -95,13 +94,13 @@ def _act_forward(e, act, x):
     if name == "relu":
         return e.Relu(x)
     if name == "affine":
-        return e.Add(e.Mul(x, s(a)), s(b))
+        return x * a + b
     if name == "leakyrelu":
         return e.LeakyRelu(x, alpha=a)
     if name == "thresholdedrelu":
         return e.ThresholdedRelu(x, alpha=a)
     if name == "scaledtanh":
-        return e.Mul(e.Tanh(e.Mul(x, s(b))), s(a))
+        return e.Tanh(x * b) * a
     if name == "hardsigmoid":
         return e.HardSigmoid(x, alpha=a, beta=b)
     if name == "elu":
@@ -117,9 +116,9 @@ def _act_derivative(e, act, x, y):
     s = lambda v: e.scalar(v, like=x)  # noqa: E731
     one = s(1.0)
     if name == "tanh":  # 1 - y^2
-        return e.Sub(one, e.Mul(y, y))
+        return 1 - y * y
     if name == "sigmoid":  # y (1 - y)
-        return e.Mul(y, e.Sub(one, y))
+        return y * (1 - y)
     if name == "relu":
         return e.CastLike(e.Greater(x, s(0.0)), x)
     if name == "affine":
@@ -129,15 +128,15 @@ def _act_derivative(e, act, x, y):
     if name == "thresholdedrelu":  # x > alpha: 1
         return e.CastLike(e.Greater(x, s(a)), x)
     if name == "scaledtanh":  # alpha beta (1 - tanh(beta x)^2)
-        t = e.Tanh(e.Mul(x, s(b)))
-        return e.Mul(e.Sub(one, e.Mul(t, t)), s(a * b))
+        t = e.Tanh(x * b)
+        return (1 - t * t) * (a * b)
     if name == "hardsigmoid":  # alpha where 0 < alpha x + beta < 1
         return e.Where(e.And(e.Greater(y, s(0.0)), e.Less(y, one)), s(a), s(0.0))
     if name == "elu":  # x >= 0: 1, else y + alpha
-        return e.Where(e.Less(x, s(0.0)), e.Add(y, s(a)), one)
+        return e.Where(e.Less(x, s(0.0)), y + a, one)
     if name == "softsign":  # 1 / (1 + |x|)^2 = (1 - |y|)^2
-        t = e.Sub(one, e.Abs(y))
-        return e.Mul(t, t)
+        t = 1 - e.Abs(y)
+        return t * t
     return e.Sigmoid(x)  # softplus
 
 
@@ -151,12 +150,12 @@ def _transposed(e, v, rank=3):
 
 def _masked(e, v, m):
     """m_k v: nothing flows into the steps past a sequence's length."""
-    return v if v is None or m is None else e.Mul(v, m)
+    return v if v is None or m is None else v * m
 
 
 def _carried(e, v, keep, old):
     """v + (1 - m_k) old: the state passes unchanged through the masked steps (keep = 1 - m_k)."""
-    return v if keep is None else e.Add(v, e.Mul(old, keep))
+    return v if keep is None else v + old * keep
 
 
 def _kept(e, mask, new, old):
@@ -199,7 +198,7 @@ class _Recurrence:
             valid = e.Less(e.Unsqueeze(steps, [1]), lengths)  # [T, N]
             self.mask = self.proc(e.Unsqueeze(valid, [1, 3]), shared=True)
             self.mf = e.CastLike(self.mask, self.X)
-            self.omf = e.Sub(self.scalar(1.0), self.mf)
+            self.omf = 1 - self.mf
             nonempty = e.Greater(lengths, self.int(0))
             self.nonempty = e.CastLike(e.Unsqueeze(nonempty, [0, 2]), self.X)  # [1, N, 1]
 
@@ -241,7 +240,7 @@ class _Recurrence:
     def flip(self, v):
         """``v`` with its steps (axis 0) in reverse order."""
         e = self.e
-        return e.Gather(v, e.Range(e.Sub(self.T, self.int(1)), self.int(-1), self.int(-1)), axis=0)
+        return e.Gather(v, e.Range(self.T - 1, self.int(-1), self.int(-1)), axis=0)
 
     def proc(self, v, shared=False):
         """[T, D, ...] in time order -> processing order (the reverse direction's steps flipped).
@@ -293,7 +292,8 @@ class _Recurrence:
         g = ir.Graph(state_ins + x_ins, [], nodes=[], name=e.unique(f"{self.op}_steps"))
         sub = e.child(g)
         given = iter(x_ins)
-        new_states, outs = step(sub, *state_ins, *(None if x is None else next(given) for x in xs))
+        with sub.math():
+            new_states, outs = step(sub, *state_ins, *(None if x is None else next(given) for x in xs))
         outputs = []
         for v in [*new_states, *outs]:
             if v.producer() is None or v.producer().graph is not g or v in outputs:
@@ -312,13 +312,13 @@ class _Recurrence:
     # gates ------------------------------------------------------------------------------
     def gates_x(self):
         """X W^T + Wb for every step, [T, D, N, G*H]."""
-        xw = self.e.MatMul(self.Xp, self.Wt)
-        return xw if self.Wb is None else self.e.Add(xw, self.Wb)
+        xw = self.Xp @ self.Wt
+        return xw if self.Wb is None else xw + self.Wb
 
     def gates_h(self):
         """H_{k-1} R^T + Rb for every step, [T, D, N, G*H]."""
-        hr = self.e.MatMul(self.Hp, self.Rt)
-        return hr if self.Rb is None else self.e.Add(hr, self.Rb)
+        hr = self.Hp @ self.Rt
+        return hr if self.Rb is None else hr + self.Rb
 
     def gate_split(self, v):
         return self.e.split_into(v, self.G, -1) if self.G > 1 else [v]
@@ -352,7 +352,7 @@ class _Recurrence:
             d = _act_derivative(e, act, xc, y)
             if self.clip is not None:
                 inside = e.LessOrEqual(e.Abs(x), self.scalar(float(self.clip)))
-                d = e.Mul(d, e.CastLike(inside, x))
+                d = d * e.CastLike(inside, x)
             return y, d
 
         return self._per_direction(e, both, slot, a)
@@ -364,7 +364,7 @@ class _Recurrence:
             return None
         g = self.relayout(dy, [1, 0, 2])
         if self.seq is not None:
-            g = self.e.Mul(g, self.nonempty)
+            g = g * self.nonempty
         return g
 
     def input_grads(self, needs, dA, dR_parts, dRb, dS, extra=()):
@@ -372,12 +372,12 @@ class _Recurrence:
         e = self.e
         dX = dW = dR = dB = dh0 = None
         if needs[0]:
-            dxp = self.proc(e.MatMul(dA, self.W))  # back to time order, [T, D, N, I]
+            dxp = self.proc(dA @ self.W)  # back to time order, [T, D, N, I]
             dX = self.relayout(e.reduce("ReduceSum", dxp, [1], keepdims=False), [1, 0, 2])
         if needs[1]:
-            dW = e.reduce("ReduceSum", e.MatMul(_transposed(e, dA, 4), self.Xp), [0], keepdims=False)
+            dW = e.reduce("ReduceSum", _transposed(e, dA, 4) @ self.Xp, [0], keepdims=False)
         if needs[2]:
-            rows = [e.reduce("ReduceSum", e.MatMul(_transposed(e, g, 4), h), [0], keepdims=False)
+            rows = [e.reduce("ReduceSum", _transposed(e, g, 4) @ h, [0], keepdims=False)
                     for g, h in dR_parts]
             dR = rows[0] if len(rows) == 1 else e.Concat(*rows, axis=1)
         if wants(needs, 3):
@@ -404,11 +404,11 @@ def rnn(n, dys, needs, e):
     da_k = m_k (dS + dY_k) f'(a_k);  dS <- da_k R + (1 - m_k) dS."""
     u = _Recurrence(n, e)
     dY, dS, _ = _output_grads(u, dys)
-    _, fd = u.activate_with_derivative(e.Add(u.gates_x(), u.gates_h()), 0)
+    _, fd = u.activate_with_derivative(u.gates_x() + u.gates_h(), 0)
 
     def step(e, dS, dY, m, keep, fd):
-        da = e.Mul(_masked(e, e.accumulate(dS, dY), m), fd)
-        return [_carried(e, e.MatMul(da, u.R), keep, dS)], [da]
+        da = _masked(e, e.accumulate(dS, dY), m) * fd
+        return [_carried(e, da @ u.R, keep, dS)], [da]
 
     (dS,), (dA,) = u.scan(step, [dS], [dY, u.mf, u.omf, fd], reverse=True)
     return u.input_grads(needs, dA, [(dA, u.Hp)], dA, dS)
@@ -421,42 +421,42 @@ def gru(n, dys, needs, e):
     (linear_before_reset). Per step, with dHn = m_k (dS + dY_k):
     dah = dHn (1 - z) g',  daz = dHn (H_{k-1} - h) f',  dar = dr f' with
       linear_before_reset: dr = dah (H_{k-1} Rh^T + Rbh), dS <- dHn z + [daz, dar, dah r] R
-      otherwise:           dr = (dah Rh) H_{k-1},         dS <- dHn z + [daz, dar] Rzr + (dah Rh) r
+      otherwise:           dr = (dah Rh) H_{k-1},         dS <- dHn z + (dah Rh) r + [daz, dar] Rzr
     (+ (1 - m_k) dS); dR takes [daz, dar, dah r]^T H_{k-1}, or [daz, dar]^T H_{k-1} and dah^T (r H_{k-1})."""
     u = _Recurrence(n, e)
     lbr = attr(n, "linear_before_reset", 0)
     dY, dS, _ = _output_grads(u, dys)
     xz, xr, xh = u.gate_split(u.gates_x())
     hz, hr, hh = u.gate_split(u.gates_h())
-    z, zd = u.activate_with_derivative(e.Add(xz, hz), 0)
-    r, rd = u.activate_with_derivative(e.Add(xr, hr), 0)
+    z, zd = u.activate_with_derivative(xz + hz, 0)
+    r, rd = u.activate_with_derivative(xr + hr, 0)
     if lbr:
-        ah = e.Add(xh, e.Mul(r, hh))
-        Qr = e.Mul(hh, rd)  # dar = dah * Qr
+        ah = xh + r * hh
+        Qr = hh * rd  # dar = dah * Qr
     else:
         Rz, Rr, Rh = e.split_into(u.R, 3, 1)
         Rzr = e.Concat(Rz, Rr, axis=1)
-        rH = e.Mul(r, u.Hp)
-        ah = e.Add(xh, e.MatMul(rH, _transposed(e, Rh)))
+        rH = r * u.Hp
+        ah = xh + rH @ _transposed(e, Rh)
         if u.Rb is not None:
-            ah = e.Add(ah, u.gate_split(u.Rb)[2])
-        Qr = e.Mul(u.Hp, rd)  # dar = (dah Rh) * Qr
+            ah = ah + u.gate_split(u.Rb)[2]
+        Qr = u.Hp * rd  # dar = (dah Rh) * Qr
     h, hd = u.activate_with_derivative(ah, 1)
-    Qh = e.Mul(e.Sub(u.scalar(1.0), z), hd)  # dah = dHn * Qh
-    Qz = e.Mul(e.Sub(u.Hp, h), zd)  # daz = dHn * Qz
+    Qh = (1 - z) * hd  # dah = dHn * Qh
+    Qz = (u.Hp - h) * zd  # daz = dHn * Qz
 
     def step(e, dS, dY, m, keep, Qh, Qz, z, Qr, r):
         dHn = _masked(e, e.accumulate(dS, dY), m)
-        dah = e.Mul(dHn, Qh)
-        daz = e.Mul(dHn, Qz)
-        direct = e.Mul(dHn, z)
+        dah = dHn * Qh
+        daz = dHn * Qz
+        direct = dHn * z
         if lbr:
-            dar = e.Mul(dah, Qr)
-            daR = e.Concat(daz, dar, e.Mul(dah, r), axis=-1)
-            return [_carried(e, e.Add(direct, e.MatMul(daR, u.R)), keep, dS)], [e.Concat(daz, dar, dah, axis=-1), daR]
-        drH = e.MatMul(dah, Rh)
-        dzr = e.Concat(daz, e.Mul(drH, Qr), axis=-1)
-        dS_new = e.Add(e.Add(direct, e.Mul(drH, r)), e.MatMul(dzr, Rzr))
+            dar = dah * Qr
+            daR = e.Concat(daz, dar, dah * r, axis=-1)
+            return [_carried(e, direct + daR @ u.R, keep, dS)], [e.Concat(daz, dar, dah, axis=-1), daR]
+        drH = dah @ Rh
+        dzr = e.Concat(daz, drH * Qr, axis=-1)
+        dS_new = direct + drH * r + dzr @ Rzr
         return [_carried(e, dS_new, keep, dS)], [e.Concat(dzr, dah, axis=-1)]
 
     (dS,), outs = u.scan(step, [dS], [dY, u.mf, u.omf, Qh, Qz, z, Qr, r], reverse=True)
@@ -472,14 +472,14 @@ def gru(n, dys, needs, e):
 def lstm(n, dys, needs, e):
     """i = f(ai + Pi C_{k-1}), f_ = f(af + Pf C_{k-1}) (or 1 - i with input_forget), c = g(ac),
     C_k = f_ C_{k-1} + i c, o = f(ao + Po C_k), H_k = o h(C_k). Per step, with
-    dHn = m_k (dS + dY_k): dao = dHn h(C) f', dC = m_k dCS + dHn o h'(C) + dao Po,
+    dHn = m_k (dS + dY_k): dao = dHn h(C) f', dC = dHn o h'(C) + m_k dCS + dao Po,
     dai = dC (c - [C_{k-1} with input_forget]) f', daf = dC C_{k-1} f' (0 with input_forget),
     dac = dC i g'; dS <- [dai, dao, daf, dac] R + (1 - m_k) dS,
     dCS <- dC f_ + dai Pi + daf Pf + (1 - m_k) dCS;  dP = sum [dai C_{k-1}, dao C_k, daf C_{k-1}]."""
     u = _Recurrence(n, e)
     forget = attr(n, "input_forget", 0)
     dY, dS, dCS = _output_grads(u, dys)
-    Ai, Ao, Af, Ac = u.gate_split(e.Add(u.gates_x(), u.gates_h()))
+    Ai, Ao, Af, Ac = u.gate_split(u.gates_x() + u.gates_h())
     g, gd = u.activate_with_derivative(Ac, 1)
     pi = po = pf = None
     if u.P is not None:
@@ -488,50 +488,50 @@ def lstm(n, dys, needs, e):
     def input_forget_gates(ai, af):
         """((i, i'), (f_, f_')) for every step at once: f_ = 1 - i with input_forget."""
         i = u.activate_with_derivative(ai, 0)
-        return i, ((e.Sub(u.scalar(1.0), i[0]), None) if forget else u.activate_with_derivative(af, 0))
+        return i, ((1 - i[0], None) if forget else u.activate_with_derivative(af, 0))
 
     # the cell states, sequentially: C_{k-1} and the step's new C_k
     if pi is None:
         (i, idv), (fg, fdv) = input_forget_gates(Ai, Af)
 
         def cell(e, C, mask, fg, ig):
-            new = e.Add(e.Mul(fg, C), ig)
+            new = fg * C + ig
             return [_kept(e, mask, new, C)], [C, new]
 
-        _, (Cp, Cn) = u.scan(cell, [u.c0], [u.mask, fg, e.Mul(i, g)])
+        _, (Cp, Cn) = u.scan(cell, [u.c0], [u.mask, fg, i * g])
     else:
         def cell(e, C, mask, ai, af, g):
-            i = u.activate(e, e.Add(ai, e.Mul(pi, C)), 0)
-            fg = e.Sub(e.scalar(1.0, like=i), i) if forget else u.activate(e, e.Add(af, e.Mul(pf, C)), 0)
-            new = e.Add(e.Mul(fg, C), e.Mul(i, g))
+            i = u.activate(e, ai + pi * C, 0)
+            fg = 1 - i if forget else u.activate(e, af + pf * C, 0)
+            new = fg * C + i * g
             return [_kept(e, mask, new, C)], [C, new]
 
         _, (Cp, Cn) = u.scan(cell, [u.c0], [u.mask, Ai, Af, g])
-        (i, idv), (fg, fdv) = input_forget_gates(e.Add(Ai, e.Mul(pi, Cp)), e.Add(Af, e.Mul(pf, Cp)))
-        Ao = e.Add(Ao, e.Mul(po, Cn))
+        (i, idv), (fg, fdv) = input_forget_gates(Ai + pi * Cp, Af + pf * Cp)
+        Ao = Ao + po * Cn
     o, od = u.activate_with_derivative(Ao, 0)
     hC, hCd = _h_of_cell(u, Cn)
 
-    Qo = e.Mul(hC, od)  # dao = dHn Qo
-    Qc = e.Mul(o, hCd)  # dC = dHn Qc + ...
-    Qi = e.Mul(e.Sub(g, Cp) if forget else g, idv)  # dai = dC Qi
-    Qf = e.zeros_like(Qi) if forget else e.Mul(Cp, fdv)  # daf = dC Qf
-    Qg = e.Mul(i, gd)  # dac = dC Qg
+    Qo = hC * od  # dao = dHn Qo
+    Qc = o * hCd  # dC = dHn Qc + ...
+    Qi = (g - Cp if forget else g) * idv  # dai = dC Qi
+    Qf = e.zeros_like(Qi) if forget else Cp * fdv  # daf = dC Qf
+    Qg = i * gd  # dac = dC Qg
 
     def step(e, dS, dCS, dY, m, keep, Qo, Qc, Qi, Qf, Qg, fg):
         dHn = _masked(e, e.accumulate(dS, dY), m)
-        dao = e.Mul(dHn, Qo)
-        dC = e.accumulate(e.Mul(dHn, Qc), _masked(e, dCS, m))
+        dao = dHn * Qo
+        dC = e.accumulate(dHn * Qc, _masked(e, dCS, m))
         if po is not None:
-            dC = e.Add(dC, e.Mul(dao, po))
-        dai, daf = e.Mul(dC, Qi), e.Mul(dC, Qf)
-        da = e.Concat(dai, dao, daf, e.Mul(dC, Qg), axis=-1)
-        dC_prev = e.Mul(dC, fg)
+            dC = dC + dao * po
+        dai, daf = dC * Qi, dC * Qf
+        da = e.Concat(dai, dao, daf, dC * Qg, axis=-1)
+        dC_prev = dC * fg
         if pi is not None:
-            dC_prev = e.Add(dC_prev, e.Mul(dai, pi))
+            dC_prev = dC_prev + dai * pi
             if not forget:
-                dC_prev = e.Add(dC_prev, e.Mul(daf, pf))
-        return [_carried(e, e.MatMul(da, u.R), keep, dS), _carried(e, dC_prev, keep, dCS)], [da]
+                dC_prev = dC_prev + daf * pf
+        return [_carried(e, da @ u.R, keep, dS), _carried(e, dC_prev, keep, dCS)], [da]
 
     (dS, dCS), (dA,) = u.scan(step, [dS, dCS], [dY, u.mf, u.omf, Qo, Qc, Qi, Qf, Qg, fg], reverse=True)
 
@@ -540,7 +540,7 @@ def lstm(n, dys, needs, e):
         dc0 = u.relayout(dCS, [1, 0, 2])
     if wants(needs, 7):
         dai, dao, daf, _ = u.gate_split(dA)
-        dP = e.Concat(*(e.reduce("ReduceSum", e.Mul(da, c), [0, 2], keepdims=False)
+        dP = e.Concat(*(e.reduce("ReduceSum", da * c, [0, 2], keepdims=False)
                         for da, c in ((dai, Cp), (dao, Cn), (daf, Cp))), axis=1)
     return u.input_grads(needs, dA, [(dA, u.Hp)], dA, dS, extra=(dc0, dP))
 
