@@ -130,7 +130,7 @@ def _wrapped_indices(e, idx, depth):
         return as_int64(e, idx), c
     v = as_int64(e, idx)
     size = stack(e, depth) if isinstance(depth, list) else vec(e, depth)
-    return e.Where(e.Less(v, e.ints([0])), e.Add(v, size), v), None
+    return e.Where(e.Less(v, e.ints([0])), v + size, v), None
 
 
 def segment_sum(e, g, pos, batch, depth, rest, unique, like):
@@ -157,7 +157,7 @@ def segment_sum(e, g, pos, batch, depth, rest, unique, like):
     else:
         column = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, depth), scalar_of(e, 1)), [1, -1, 1])
         hot = e.Cast(e.Equal(column, e.Unsqueeze(pos, [1])), to=int(acc))
-        out = e.MatMul(hot, g)
+        out = hot @ g
     return cast_to(e, out, like.dtype)
 
 
@@ -212,7 +212,7 @@ def gather_nd(n, dys, needs, e):
         rows = known.reshape(int(np.prod(known.shape[:batch_dims])), -1)
         unique = all(np.unique(r).size == r.size for r in rows)
     else:
-        pos = e.Squeeze(pos, [-1]) if m == 1 else e.reduce("ReduceSum", e.Mul(pos, stack(e, strides)), [-1], keepdims=False)
+        pos = e.Squeeze(pos, [-1]) if m == 1 else e.reduce("ReduceSum", pos * stack(e, strides), [-1], keepdims=False)
         unique = False
     batch, depth, rest = dims.prod(0, batch_dims), dims.prod(batch_dims, batch_dims + m), dims.prod(batch_dims + m)
     g = e.Reshape(dy, stack(e, [batch, -1, rest]))
@@ -260,7 +260,7 @@ def gather_elements(n, dys, needs, e):
     column = e.Reshape(e.Range(scalar_of(e, 0), scalar_of(e, depth), scalar_of(e, 1)),
                        [-1] + [1] * (rank - 1 - axis))
     hot = e.Cast(e.Equal(e.Unsqueeze(pos, [axis + 1]), column), to=int(x.dtype))
-    out = e.reduce("ReduceSum", e.Mul(hot, e.Unsqueeze(dy, [axis + 1])), [axis], keepdims=False)
+    out = e.reduce("ReduceSum", hot * e.Unsqueeze(dy, [axis + 1]), [axis], keepdims=False)
     # the indices may be shorter than x on the other axes: zero-fill the rest
     idims = Dims(e, idx)
     short = {k: isub(e, dims[k], idims[k]) for k in range(rank) if k != axis}

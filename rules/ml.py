@@ -77,10 +77,10 @@ def array_feature_extractor(n, dys, needs, e):
         c = _last_dim(e, x)
         zero = e.const(np.array(0, dtype=np.int64))
         flat = e.Reshape(idx, [-1])
-        flat = e.Where(e.Less(flat, zero), e.Add(flat, c), flat)
+        flat = e.Where(e.Less(flat, zero), flat + c, flat)
         cols = e.Range(zero, c, e.const(np.array(1, dtype=np.int64)))
         onehot = e.CastLike(e.Equal(e.Unsqueeze(flat, [1]), cols), x)
-    dx = e.MatMul(dz, onehot)
+    dx = dz @ onehot
     return _as_input(e, dx, x) if dims is None or len(dims) < 2 else dx, None
 
 
@@ -116,8 +116,8 @@ def _fit_columns(e, part, width, x, dy):
         return part
     # C = size(X) / N, N the rows of dY (every input has the batch size of the first one).
     rows = e.Slice(e.Shape(dy), e.ints([0]), e.ints([1]), e.ints([0]))
-    c = e.Div(e.Reshape(e.Size(x), [1]), rows)
-    extra = e.Max(e.Sub(c, e.ints([width])), e.ints([0]))
+    c = e.Reshape(e.Size(x), [1]) / rows
+    extra = e.Max(c - e.ints([width]), e.ints([0]))
     padded = e.Pad(part, e.Concat(e.ints([0, 0, 0]), extra, axis=0))
     return e.Slice(padded, e.ints([0]), c, e.ints([1]))
 
@@ -134,7 +134,7 @@ def scaler(n, dys, needs, e):
     scale = attr(n, "scale", [])
     if not scale:
         return (dy,)
-    return (e.Mul(dy, const_like(e, scale if len(scale) > 1 else scale[0], x)),)
+    return (dy * const_like(e, scale if len(scale) > 1 else scale[0], x),)
 
 
 @register("Imputer", domain=ML)
@@ -167,14 +167,14 @@ def normalizer(n, dys, needs, e):
     elif norm == "L1":
         d = e.reduce("ReduceSum", e.Abs(x), [-1])
     else:
-        d = e.Sqrt(e.reduce("ReduceSum", e.Mul(x, x), [-1]))
-    y = e.Div(x, d)
+        d = e.Sqrt(e.reduce("ReduceSum", x * x, [-1]))
+    y = x / d
     if norm == "MAX":
         hit = e.CastLike(e.Equal(x, d), x)
-        w = e.Div(hit, e.reduce("ReduceSum", hit, [-1]))
+        w = hit / e.reduce("ReduceSum", hit, [-1])
     else:
         w = e.Sign(x) if norm == "L1" else y
-    dx = e.Div(e.Sub(dy, e.Mul(w, e.reduce("ReduceSum", e.Mul(dy, y), [-1]))), d)
+    dx = (dy - w * e.reduce("ReduceSum", dy * y, [-1])) / d
     return (e.Where(e.Equal(d, e.scalar(0.0, x)), dy, dx),)
 
 
@@ -195,13 +195,13 @@ def _scores(e, x, w, b):
     """S = X W^T + b, X seen as (N, C)."""
     dims = dims_of(x)
     xm = x if dims is not None and len(dims) == 2 else e.Reshape(x, [-1, w.shape[1]])
-    s = e.MatMul(xm, const_like(e, w.T, x))
-    return s if b is None else e.Add(s, const_like(e, b, x))
+    s = xm @ const_like(e, w.T, x)
+    return s if b is None else s + const_like(e, b, x)
 
 
 def _from_scores(e, ds, w, x):
     """dX = dS @ W, in X's shape."""
-    return _as_input(e, e.MatMul(ds, const_like(e, w, x)), x)
+    return _as_input(e, ds @ const_like(e, w, x), x)
 
 
 _A = 0.147  # the constant of the erf^-1 approximation onnxruntime and onnx's reference use
@@ -209,24 +209,23 @@ _A = 0.147  # the constant of the erf^-1 approximation onnxruntime and onnx's re
 
 def _probit_grad(e, dz, z, s):
     """Z = sqrt(2) * erfinv(2S - 1), erfinv as the runtimes compute it (Winitzki's
-    approximation: with w = 2S-1, L = log(1-w^2), v = 2/(pi a) + L/2, R = sqrt(v^2 - L/a),
+    approximation: with w = 2S-1, L = log(1-w^2), v = 2/(pi a) + 0.5 L, R = sqrt(v^2 - L/a),
     erfinv(w) = sign(w) sqrt(R - v)). Its exact derivative::
 
-        dZ/dS = -4 w K / ((1 - w^2) Z),   K = -1/2 + (v - 1/a) / (2R)
+        dZ/dS = -4 w K / ((1 - w^2) Z),   K = (v - 1/a) / (2R) - 0.5
 
     (sqrt(2 pi) at w = 0, where Z = 0 too)."""
-    one = e.scalar(1.0, z)
-    w = e.Sub(e.Mul(e.scalar(2.0, z), s), one)
-    q = e.Sub(one, e.Mul(w, w))
+    w = 2 * s - 1
+    q = 1 - w * w
     ln = e.Log(q)
-    v = e.Add(e.scalar(2.0 / (math.pi * _A), z), e.Mul(e.scalar(0.5, z), ln))
-    r = e.Sqrt(e.Sub(e.Mul(v, v), e.Div(ln, e.scalar(_A, z))))
-    k = e.Sub(e.Div(e.Sub(v, e.scalar(1.0 / _A, z)), e.Mul(e.scalar(2.0, z), r)), e.scalar(0.5, z))
+    v = 2.0 / (math.pi * _A) + 0.5 * ln
+    r = e.Sqrt(v * v - ln / _A)
+    k = (v - 1.0 / _A) / (2 * r) - 0.5
     at_zero = e.Equal(z, e.scalar(0.0, z))
-    safe_z = e.Where(at_zero, one, z)
-    slope = e.Div(e.Mul(e.Mul(e.scalar(-4.0, z), w), k), e.Mul(q, safe_z))
+    safe_z = e.Where(at_zero, e.scalar(1.0, z), z)
+    slope = -4 * w * k / (q * safe_z)
     slope = e.Where(at_zero, e.scalar(math.sqrt(2.0 * math.pi), z), slope)
-    return e.Mul(dz, slope)
+    return dz * slope
 
 
 def _transform_grad(e, mode, dz, z, scores, n_targets: int):
@@ -245,17 +244,17 @@ def _transform_grad(e, mode, dz, z, scores, n_targets: int):
     if n_targets < 2 or mode == "NONE":
         return dz
     if mode == "LOGISTIC":
-        return e.Mul(dz, e.Mul(z, e.Sub(e.scalar(1.0, z), z)))
-    dot = e.reduce("ReduceSum", e.Mul(dz, z), [-1])
+        return dz * (z * (1 - z))
+    dot = e.reduce("ReduceSum", dz * z, [-1])
     if mode == "SOFTMAX":
-        return e.Mul(z, e.Sub(dz, dot))
+        return z * (dz - dot)
     if mode == "SOFTMAX_ZERO":
         s = scores()
         kept = e.Greater(e.Abs(s), e.scalar(1e-7, z))
         top = e.reduce("ReduceMax", s, [-1])
-        total = e.reduce("ReduceSum", e.Mul(e.CastLike(kept, z), e.Exp(e.Sub(s, top))), [-1])
-        inv_t = e.Div(e.Exp(e.Neg(top)), total)
-        return e.Sub(e.Mul(dz, e.Where(kept, z, inv_t)), e.Mul(e.Mul(e.CastLike(kept, z), z), dot))
+        total = e.reduce("ReduceSum", e.CastLike(kept, z) * e.Exp(s - top), [-1])
+        inv_t = e.Exp(-top) / total
+        return dz * e.Where(kept, z, inv_t) - e.CastLike(kept, z) * z * dot
     raise GradientRuleError(f"unknown post_transform '{mode}'")
 
 
@@ -306,9 +305,9 @@ def linear_classifier(n, dys, needs, e):
         if mode == "PROBIT":
             raise GradientRuleError("binary LinearClassifier with post_transform PROBIT: onnxruntime leaves "
                                     "half of the scores unwritten, so they have no gradient")
-        ds = e.MatMul(dz, const_like(e, [[-1.0], [1.0]], x))
+        ds = dz @ const_like(e, [[-1.0], [1.0]], x)
         if mode == "LOGISTIC":
-            ds = e.Mul(ds, e.reduce("ReduceProd", z, [-1]))
+            ds = ds * e.reduce("ReduceProd", z, [-1])
     else:
         ds = _transform_grad(e, mode, dz, z, lambda: _scores(e, x, w, b), targets)
     return (_from_scores(e, ds, w, x),)

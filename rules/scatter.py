@@ -127,19 +127,19 @@ def _scatter_mul(s, e, data, upd, dy, needs, unique):
     one = e.const(np.ones((), dtype=acc.numpy()), dtype=acc)
     zero = e.const(np.zeros((), dtype=acc.numpy()), dtype=acc)
     if unique:
-        dd = e.Mul(dy_a, s.put(e.expand_like(one, data_a), upd_a, "mul")) if needs[0] else None
-        du = s.take(e.Mul(dy_a, data_a)) if needs[2] else None
+        dd = dy_a * s.put(e.expand_like(one, data_a), upd_a, "mul") if needs[0] else None
+        du = s.take(dy_a * data_a) if needs[2] else None
     else:
         is_zero = e.Equal(upd_a, zero)
         nonzero = e.Where(is_zero, one, upd_a)
         prod_nz = s.put(e.expand_like(one, data_a), nonzero, "mul")  # product of the non-zero updates
         zeros_on = s.put(e.expand_like(zero, data_a), e.Cast(is_zero, to=int(acc)), "add")  # how many are 0
-        dd = e.Mul(dy_a, e.Where(e.Equal(zeros_on, zero), prod_nz, zero)) if needs[0] else None
+        dd = dy_a * e.Where(e.Equal(zeros_on, zero), prod_nz, zero) if needs[0] else None
         du = None
         if needs[2]:
-            others_zero = e.Sub(s.take(zeros_on), e.Cast(is_zero, to=int(acc)))
-            others = e.Where(e.Equal(others_zero, zero), e.Div(s.take(prod_nz), nonzero), zero)
-            du = e.Mul(s.take(e.Mul(dy_a, data_a)), others)
+            others_zero = s.take(zeros_on) - e.Cast(is_zero, to=int(acc))
+            others = e.Where(e.Equal(others_zero, zero), s.take(prod_nz) / nonzero, zero)
+            du = s.take(dy_a * data_a) * others
     return (cast_to(e, dd, data.dtype) if dd is not None else None,
             cast_to(e, du, upd.dtype) if du is not None else None)
 
@@ -150,9 +150,9 @@ def _scatter_extreme(s, e, data, upd, out, dy, needs):
     hit_d = e.Cast(e.Equal(data, out), to=int(acc))
     hit_u = e.Cast(e.Equal(upd, s.take(out)), to=int(acc))
     count = s.put(hit_d, hit_u, "add")
-    share = e.Div(cast_to(e, dy, acc), count)
-    dd = cast_to(e, e.Mul(hit_d, share), data.dtype) if needs[0] else None
-    du = cast_to(e, e.Mul(hit_u, s.take(share)), upd.dtype) if needs[2] else None
+    share = cast_to(e, dy, acc) / count
+    dd = cast_to(e, hit_d * share, data.dtype) if needs[0] else None
+    du = cast_to(e, hit_u * s.take(share), upd.dtype) if needs[2] else None
     return dd, du
 
 
@@ -205,8 +205,8 @@ def tensor_scatter(n, dys, needs, e):
             dupd = e.Slice(dy, e.ints([0]), vec(e, length), e.ints([axis]))
         else:
             steps = e.Range(scalar_of(e, 0), scalar_of(e, length), scalar_of(e, 1))
-            pos = e.Add(e.Reshape(steps, [-1] + [1] * (rank - 1 - axis)),
-                        e.Reshape(as_int64(e, write), [-1] + [1] * (rank - 1)))
+            pos = (e.Reshape(steps, [-1] + [1] * (rank - 1 - axis))
+                   + e.Reshape(as_int64(e, write), [-1] + [1] * (rank - 1)))
             if mode == "circular":
                 pos = e.Mod(pos, vec(e, dims[axis]))
             dupd = e.GatherElements(dy, e.Expand(pos, Dims(e, update).vector()), axis=axis)

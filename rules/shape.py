@@ -146,7 +146,7 @@ def _pad_amounts(e, n, rank):
             axes = [int(a) % rank for a in given.reshape(-1)]
         else:  # computed axes: scatter the pads into a full-rank pads vector
             ax = iwrap(e, as_int64(e, axes_in), rank)
-            where = e.Concat(ax, e.Add(ax, e.ints([rank])), axis=0)
+            where = e.Concat(ax, ax + e.ints([rank]), axis=0)
             pads = e.ScatterElements(e.ints([0] * (2 * rank)), where, pads, axis=0)
     count = len(axes)
     values = int_entries(e, pads, 2 * count)
@@ -159,10 +159,10 @@ def _fold_edge(e, g, k, rank, b, a, length, sizes):
     out = slice_axes(e, g, [b], [iadd(e, b, length)], [k])
     if not is_zero(b):
         left = e.reduce("ReduceSum", slice_axes(e, g, [0], [b], [k]), [k], keepdims=True)
-        out = e.Add(out, pad_axes(e, left, rank, {}, {k: isub(e, length, 1)}))
+        out = out + pad_axes(e, left, rank, {}, {k: isub(e, length, 1)})
     if not is_zero(a):
         right = e.reduce("ReduceSum", slice_axes(e, g, [iadd(e, b, length)], [INT64_MAX], [k]), [k], keepdims=True)
-        out = e.Add(out, pad_axes(e, right, rank, {k: isub(e, length, 1)}, {}))
+        out = out + pad_axes(e, right, rank, {k: isub(e, length, 1)}, {})
     return out
 
 
@@ -172,10 +172,10 @@ def _fold_reflect(e, g, k, rank, b, a, length, sizes):
     out = slice_axes(e, g, [b], [iadd(e, b, length)], [k])
     if not is_zero(b):
         left = reverse(e, slice_axes(e, g, [0], [b], [k]), [k])
-        out = e.Add(out, pad_axes(e, left, rank, {k: 1}, {k: isub(e, isub(e, length, 1), b)}))
+        out = out + pad_axes(e, left, rank, {k: 1}, {k: isub(e, isub(e, length, 1), b)})
     if not is_zero(a):
         right = reverse(e, slice_axes(e, g, [iadd(e, b, length)], [INT64_MAX], [k]), [k])
-        out = e.Add(out, pad_axes(e, right, rank, {k: isub(e, isub(e, length, 1), a)}, {k: 1}))
+        out = out + pad_axes(e, right, rank, {k: isub(e, isub(e, length, 1), a)}, {k: 1})
     return out
 
 
@@ -201,22 +201,21 @@ def _pad_constant_any_rank(n, dy, needs, e):
     pads = as_int64(e, n.inputs[1])
     axes = optional_input(n, 3)
     axes = as_int64(e, axes) if axes is not None else None
-    count = e.Div(e.Shape(pads), e.ints([2]))
+    count = e.Shape(pads) / e.ints([2])
     begin, end = e.Slice(pads, e.ints([0]), count), e.Slice(pads, count, e.ints([INT64_MAX]))
     zero = e.ints([0])
     grow_b, grow_a = e.Max(begin, zero), e.Max(end, zero)
-    crop_b, crop_a = e.Max(e.Neg(begin), zero), e.Max(e.Neg(end), zero)
+    crop_b, crop_a = e.Max(-begin, zero), e.Max(-end, zero)
     # without axes, Slice and Pad take axes 0 .. count-1, as the forward Pad did
     sizes = e.Slice(e.Shape(dy), zero, count) if axes is None else e.Gather(e.Shape(dy), axes, axis=0)
-    inner = e.Slice(dy, grow_b, e.Sub(sizes, grow_a), *([] if axes is None else [axes]))
+    inner = e.Slice(dy, grow_b, sizes - grow_a, *([] if axes is None else [axes]))
     dx = None
     if needs[0]:
         dx = e.Pad(inner, e.Concat(crop_b, crop_a, axis=0), *([] if axes is None else [None, axes]))
     dvalue = None
     value = optional_input(n, 2)
     if wants(needs, 2):
-        outside = e.Sub(e.reduce("ReduceSum", dy, None, keepdims=False),
-                        e.reduce("ReduceSum", inner, None, keepdims=False))
+        outside = e.reduce("ReduceSum", dy, None, keepdims=False) - e.reduce("ReduceSum", inner, None, keepdims=False)
         dvalue = reshape_like(e, outside, value)
     return [dx, None, dvalue][: len(n.inputs)]
 
@@ -265,8 +264,7 @@ def pad(n, dys, needs, e):
     dx = pad_axes(e, inner, rank, crop_b, crop_a) if needs[0] else None
     dvalue = None
     if mode == "constant" and wants(needs, 2):
-        outside = e.Sub(e.reduce("ReduceSum", dy, None, keepdims=False),
-                        e.reduce("ReduceSum", inner, None, keepdims=False))
+        outside = e.reduce("ReduceSum", dy, None, keepdims=False) - e.reduce("ReduceSum", inner, None, keepdims=False)
         dvalue = reshape_like(e, outside, n.inputs[2])
     return [dx, None, dvalue][: len(n.inputs)]
 

@@ -42,7 +42,7 @@ from gradbuilder.rules.sizes import (
 
 def _conj(e, v):
     """Complex conjugate of (re, im) pairs on the last axis."""
-    return e.Mul(v, const_like(e, [1.0, -1.0], v))
+    return v * const_like(e, [1.0, -1.0], v)
 
 
 def _fit(e, v, axis, have, want, rank):
@@ -87,7 +87,7 @@ def _irfft_weights(e, count, bins, trailing, like):
             w[-1] = 1.0
         return const_like(e, w.reshape([-1] + [1] * trailing), like)
     k = e.Range(scalar_of(e, 0), scalar_of(e, bins), scalar_of(e, 1))
-    ends = e.Or(e.Equal(k, e.ints([0])), e.Equal(e.Mul(k, e.ints([2])), vec(e, count)))
+    ends = e.Or(e.Equal(k, e.ints([0])), e.Equal(k * e.ints([2]), vec(e, count)))
     w = e.Where(ends, const_like(e, 1.0, like), const_like(e, 2.0, like))
     return with_unit_axes(e, w, 1, trailing)
 
@@ -131,7 +131,7 @@ def dft(n, dys, needs, e):
     if irfft:
         spectrum = _conj(e, e.DFT(dy, raw_axis, inverse=1))
         trailing = isub(e, isub(e, dims.rank_value(), axis), 1)
-        g = e.Mul(_fit(e, spectrum, axis, count, bins, rank), _irfft_weights(e, count, bins, trailing, dy))
+        g = _irfft_weights(e, count, bins, trailing, dy) * _fit(e, spectrum, axis, count, bins, rank)
         have = bins
     else:
         g = _fit(e, dy, axis, bins, count, rank) if onesided else dy
@@ -177,16 +177,16 @@ def stft(n, dys, needs, e):
     parts = sd[2]
     dz = _as_parts(e, g if is_one(parts) else _conj(e, g), parts)  # (B, F, W, C)
 
-    starts = e.Mul(e.Range(scalar_of(e, 0), scalar_of(e, frames), scalar_of(e, 1)), vec(e, step))
+    starts = e.Range(scalar_of(e, 0), scalar_of(e, frames), scalar_of(e, 1)) * vec(e, step)
     offsets = e.Range(scalar_of(e, 0), scalar_of(e, width), scalar_of(e, 1))
-    where = e.Add(e.Unsqueeze(starts, [1]), e.Unsqueeze(offsets, [0]))  # (F, W): f s + t
+    where = e.Unsqueeze(starts, [1]) + e.Unsqueeze(offsets, [0])  # (F, W): f s + t
 
     dsignal = dwindow = None
     if wants(needs, 2):
         framed = e.Gather(signal, where, axis=1)  # (B, F, W, C)
-        dwindow = e.reduce("ReduceSum", e.Mul(dz, framed), [0, 1, 3], keepdims=False)
+        dwindow = e.reduce("ReduceSum", dz * framed, [0, 1, 3], keepdims=False)
     if needs[0]:
-        dframes = e.Mul(dz, e.Reshape(window, [-1, 1])) if window is not None else dz
+        dframes = dz * e.Reshape(window, [-1, 1]) if window is not None else dz
         flat = e.Reshape(dframes, stack(e, [0, -1, parts]))  # (B, F W, C)
         acc = accumulation_type(signal, False)
         positions = e.Expand(e.Reshape(where, [1, -1, 1]), e.Shape(flat))

@@ -7,7 +7,8 @@ for the dynamic part:
 * ``vec(e, a)``: one size as a 1-element int64 tensor; ``stack(e, items)``: a list of sizes
   as a 1-D int64 tensor (a constant when all are static); ``scalar_of``: a rank-0 one;
 * ``iadd isub ineg imul idiv imod imax imin iclamp iwrap iprod``: arithmetic on sizes
-  (adding 0 or multiplying by 1 emits nothing);
+  (adding 0 or multiplying by 1 emits nothing); the run-time part is written as math
+  (``vec(e, a) + vec(e, b)``), so they are called where ``e.math()`` is on, as in every rule;
 * ``Dims(e, x)`` / ``dim(e, x, axis)``: the sizes of a value's axes; ``is_static``,
   ``static_dims``; ``arange``, ``ordinals``; ``reshape_like``, ``reshape_to``, ``known`` (record a shape);
 * pieces built on them: ``zeros``, ``pad_axes``, ``pad_axis``, ``slice_axes``, ``reverse``,
@@ -68,7 +69,7 @@ def iadd(e, a, b):
         return a + b
     if is_zero(a) or is_zero(b):
         return b if is_zero(a) else a
-    return e.Add(vec(e, a), vec(e, b))
+    return vec(e, a) + vec(e, b)
 
 
 def isub(e, a, b):
@@ -76,11 +77,11 @@ def isub(e, a, b):
         return a - b
     if is_zero(b):
         return a
-    return e.Sub(vec(e, a), vec(e, b))
+    return vec(e, a) - vec(e, b)
 
 
 def ineg(e, a):
-    return -a if isinstance(a, int) else e.Neg(a)
+    return -a
 
 
 def imul(e, a, b):
@@ -88,12 +89,12 @@ def imul(e, a, b):
         return a * b
     if is_one(a) or is_one(b):
         return b if is_one(a) else a
-    return e.Mul(vec(e, a), vec(e, b))
+    return vec(e, a) * vec(e, b)
 
 
 def idiv(e, a, b):
     """Floor division of sizes (both >= 0)."""
-    return a // b if is_static(a, b) else e.Div(vec(e, a), vec(e, b))
+    return a // b if is_static(a, b) else vec(e, a) / vec(e, b)
 
 
 def imod(e, a, b):
@@ -117,7 +118,7 @@ def iwrap(e, a, size):
     """An index that may count from the end (< 0) made absolute: a + size where a < 0."""
     if isinstance(a, int):
         return iadd(e, a, size) if a < 0 else a
-    return e.Where(e.Less(a, e.ints([0])), e.Add(a, vec(e, size)), a)
+    return e.Where(e.Less(a, e.ints([0])), a + vec(e, size), a)
 
 
 def iprod(e, items):
