@@ -447,8 +447,8 @@ def test_provider_fallback_warning_points_at_the_caller(monkeypatch, layout):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(StepBinding, "run", fail_once)
-    s._state.device = ("cuda", 0)  # as if it ran on a GPU
-    monkeypatch.setattr(s._state, "ortvalue", lambda v: ort.OrtValue.ortvalue_from_numpy(np.asarray(v)))
+    s.state.device = ("cuda", 0)  # as if it ran on a GPU
+    monkeypatch.setattr(s.state, "ortvalue", lambda v: ort.OrtValue.ortvalue_from_numpy(np.asarray(v)))
     with pytest.warns(RuntimeWarning, match="falling back to CPUExecutionProvider") as record:
         s.run(["loss"], feeds())
     assert record[0].filename == __file__

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder import InvalidArgumentError, TrainingParameters, TrainingSession
-from gradbuilder.runtime import capture, executor
+from gradbuilder.runtime import capture, executor, providers
 from gradbuilder.runtime.graphs import Kind
 
 CPU = "CPUExecutionProvider"
@@ -23,7 +23,7 @@ def one_line(error: Exception) -> None:
     assert "\n" not in str(error).strip()
 
 
-def _model(dropout: float = 0.0) -> onnx.ModelProto:
+def capture_model(dropout: float = 0.0) -> onnx.ModelProto:
     """x [n, 8] -> Linear -> Relu -> BatchNorm (running statistics: state that takes turns) ->
     LayerNorm -> (Dropout) -> Linear -> mean squared error against t [n, 4]."""
     rng = np.random.default_rng(0)
@@ -51,7 +51,7 @@ def _model(dropout: float = 0.0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _batches(n=6, rows=5):
+def capture_batches(n=6, rows=5):
     rng = np.random.default_rng(1)
     return [{"x": rng.standard_normal((rows, 8)).astype(np.float32), "t": rng.standard_normal((rows, 4)).astype(np.float32)}
             for _ in range(n)]
@@ -64,9 +64,9 @@ def _session(threads: int, captured: bool, **options) -> TrainingSession:
     so.intra_op_num_threads = threads
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name=options.pop("optimizer", "adamw"),
                                 **options)
-    sess = TrainingSession(_model(), params, sess_options=so, providers=[CPU])
+    sess = TrainingSession(capture_model(), params, sess_options=so, providers=[CPU])
     if captured:  # what enable_cuda_graph picks on a GPU, here on the CPU (see the module's docstring)
-        sess._executor = capture.CapturedExecutor(sess._parts)
+        sess.set_executor(capture.CapturedExecutor(sess.parts))
     return sess
 
 
@@ -88,8 +88,8 @@ def test_the_captured_steps_bindings_train_as_the_uncaptured_step(config, thread
     import onnxruntime as ort
 
     plain, captured = _session(threads, False, **CONFIGS[config]), _session(threads, True, **CONFIGS[config])
-    feed = {k: v.copy() for k, v in _batches()[0].items()}
-    for step, batch in enumerate(_batches(), 1):
+    feed = {k: v.copy() for k, v in capture_batches()[0].items()}
+    for step, batch in enumerate(capture_batches(), 1):
         for sess in (plain, captured):  # a schedule: another rate every step, copied into the captured step's
             sess.set_learning_rate(0.01 / step)
         expected = float(plain.run(["loss"], batch)[0])
@@ -99,15 +99,15 @@ def test_the_captured_steps_bindings_train_as_the_uncaptured_step(config, thread
         got = float(captured.run(["loss"], given)[0])
         np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=f"step {step}")
         assert captured.step == plain.step  # the first step was applied once, not once per run inside the capture
-    for name in plain._state:
-        np.testing.assert_allclose(captured._state.array(name), plain._state.array(name), rtol=1e-5, atol=1e-6,
+    for name in plain.state:
+        np.testing.assert_allclose(captured.state.array(name), plain.state.array(name), rtol=1e-5, atol=1e-6,
                                    err_msg=name)
 
 
 def test_the_captured_step_has_no_shape_computation_no_control_flow_and_nothing_to_refuse():
     sess = _session(1, True, optimizer_state_layout="per_tensor", gradient_accumulation_steps=2)
-    sess.run(["loss"], _batches()[0])
-    model = onnx.ModelProto.FromString(sess._parts.graphs.serialized(Kind.STEP))
+    sess.run(["loss"], capture_batches()[0])
+    model = onnx.ModelProto.FromString(sess.graphs.serialized(Kind.STEP))
     ops = {n.op_type for n in model.graph.node}
     assert not ops & {"If", "Loop", "Scan", "Shape", "Size", "Range", "ConstantOfShape", "NonZero"}, ops
     assert [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim] == [5, 8]  # the first feed's
@@ -116,23 +116,23 @@ def test_the_captured_step_has_no_shape_computation_no_control_flow_and_nothing_
 
 def test_another_shape_after_the_capture_is_refused_and_changes_nothing():
     sess = _session(1, True)
-    sess.run(["loss"], _batches()[0])
-    before = {n: sess._state.array(n) for n in sess._state}
+    sess.run(["loss"], capture_batches()[0])
+    before = {n: sess.state.array(n) for n in sess.state}
     with pytest.raises(InvalidArgumentError, match=r"input 'x' has shape \[3, 8\], but the step was captured") as e:
-        sess.run(["loss"], _batches(rows=3)[0])
+        sess.run(["loss"], capture_batches(rows=3)[0])
     one_line(e.value)
-    assert all(np.array_equal(sess._state.array(n), v) for n, v in before.items())
+    assert all(np.array_equal(sess.state.array(n), v) for n, v in before.items())
 
 
 def test_a_step_that_cannot_be_captured_is_refused_before_it_runs_naming_the_node():
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw")
-    sess = TrainingSession(_model(dropout=0.1), params, providers=[CPU])
-    sess._executor = capture.CapturedExecutor(sess._parts)
-    before = {n: sess._state.array(n) for n in sess._state}
+    sess = TrainingSession(capture_model(dropout=0.1), params, providers=[CPU])
+    sess.set_executor(capture.CapturedExecutor(sess.parts))
+    before = {n: sess.state.array(n) for n in sess.state}
     with pytest.raises(InvalidArgumentError, match="node 'the_dropout' \\(Dropout\\): draws random numbers") as e:
-        sess.run(["loss"], _batches()[0])
+        sess.run(["loss"], capture_batches()[0])
     one_line(e.value)
-    assert all(np.array_equal(sess._state.array(n), v) for n, v in before.items())
+    assert all(np.array_equal(sess.state.array(n), v) for n, v in before.items())
     assert sess.step == 0
 
 
@@ -176,7 +176,7 @@ def test_enable_cuda_graph_off_cuda_is_refused_when_the_session_is_made():
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", enable_cuda_graph=True)
     with pytest.raises(InvalidArgumentError, match="enable_cuda_graph=True captures the step as a CUDA graph and needs "
                                                    "CUDAExecutionProvider; this session runs on CPUExecutionProvider") as e:
-        TrainingSession(_model(), params, providers=[CPU])
+        TrainingSession(capture_model(), params, providers=[CPU])
     one_line(e.value)
 
 
@@ -189,7 +189,7 @@ def test_moving_a_captured_session_to_the_cpu_is_refused():
 def test_the_cuda_providers_own_graph_option_is_refused_for_the_training_parameter(monkeypatch):
     """Given to the CUDA provider directly, onnxruntime would capture the step with its state bound
     for one of its two turns and the first step applied twice: the session says which option does it."""
-    monkeypatch.setattr(executor._providers, "resolve_providers",
+    monkeypatch.setattr(providers, "resolve_providers",  # what executor.resolve_providers calls
                         lambda p, o, tf32: (["CUDAExecutionProvider", CPU], [{"enable_cuda_graph": "1"}, {}]))
     with pytest.raises(InvalidArgumentError, match="set TrainingParameters.enable_cuda_graph=True instead") as e:
         executor.resolve_providers(["CUDAExecutionProvider"], [{"enable_cuda_graph": "1"}])

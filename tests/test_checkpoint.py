@@ -656,8 +656,8 @@ def test_tensors_over_a_chunk_round_trip(tmp_path, monkeypatch):
 
 def _session_state(s) -> dict:
     """Copies of every state value and step-wise gradient, as save_checkpoint names them."""
-    out = {n: np.array(s._state[n].numpy(), copy=True) for n in s._state}
-    out.update({f"{w}.grad": np.array(v.numpy(), copy=True) for w, v in s._state.grads.items()})
+    out = {n: np.array(s.state[n].numpy(), copy=True) for n in s.state}
+    out.update({f"{w}.grad": np.array(v.numpy(), copy=True) for w, v in s.state.grads.items()})
     return out
 
 
@@ -702,7 +702,7 @@ def test_load_state_copies_the_callers_arrays():
     from .test_session import session
 
     s = session()
-    weight = np.full(s._state.spec("fc1.weight")[0], 0.25, np.float32)
+    weight = np.full(s.state.spec("fc1.weight")[0], 0.25, np.float32)
     s.load_state({"fc1.weight": weight})
     weight[...] = 7.0  # the caller's array, changed afterwards
     np.testing.assert_array_equal(s.get_model_state()["full_precision"]["fc1.weight"], 0.25)

@@ -11,7 +11,7 @@ import torch
 
 from gradbuilder import InvalidArgumentError, TrainingParameters, TrainingSession, get_available_providers
 
-from .test_layers import _model
+from .test_layers import regression_model
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 GPU = CUDA in get_available_providers()  # usable here, not only built in
@@ -27,7 +27,7 @@ def _train(providers, **options):
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sess = TrainingSession(_model(), params, providers=providers)
+        sess = TrainingSession(regression_model(), params, providers=providers)
     losses = [float(sess.run(["loss"], b)[0]) for b in _batches()]
     return sess, losses, caught
 
@@ -41,7 +41,7 @@ def test_training_session_on_cuda_matches_the_cpu():
     if GPU:
         assert sess.get_providers()[0] == CUDA
         assert sess.get_provider_options()[CUDA]["use_tf32"] == "0"
-        assert sess._state["W"].device_name().lower() == "cuda"  # the state lives on the device
+        assert sess.state["W"].device_name().lower() == "cuda"  # the state lives on the device
         np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
         np.testing.assert_allclose(sess.get_state()["model"]["full_precision"]["W"],
                                    cpu.get_state()["model"]["full_precision"]["W"], rtol=1e-5, atol=1e-6)
@@ -87,10 +87,10 @@ def test_ortmodule_with_cuda_tensors_matches_the_module():
 def test_deterministic_compute_gives_the_same_bits_every_run():
     """deterministic_compute: an embedding model (its gradient a scatter-add, which CUDA adds
     with atomics) trains to the same bits in two sessions, on the GPU where there is one."""
-    from .test_threads import BATCH, SEQ, VOCAB, _embedding_model
+    from .test_threads import BATCH, SEQ, VOCAB, embedding_model
 
     rng = np.random.default_rng(0)
-    model = _embedding_model(rng).SerializeToString()
+    model = embedding_model(rng).SerializeToString()
     batches = [{"ids": rng.integers(0, VOCAB, (BATCH, SEQ)), "labels": rng.integers(0, 8, BATCH)} for _ in range(4)]
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", deterministic_compute=True)
     states = []
@@ -113,11 +113,11 @@ def test_the_flat_state_trains_as_a_tensor_per_weight_on_the_device():
     providers = [CUDA, CPU] if GPU else [CPU]
     flat, flat_losses, _ = _train(providers, optimizer_state_layout="auto" if GPU else "flat")
     per_tensor, losses, _ = _train(providers, optimizer_state_layout="per_tensor")
-    assert sorted(flat._state.flat) == ["Weights.float32", "Weights.float32.exp_avg", "Weights.float32.exp_avg_sq"]
-    assert not per_tensor._state.flat
+    assert sorted(flat.state.flat) == ["Weights.float32", "Weights.float32.exp_avg", "Weights.float32.exp_avg_sq"]
+    assert not per_tensor.state.flat
     if GPU:
-        assert flat._state["W"].device_name().lower() == "cuda"
-        assert flat._state.flat["Weights.float32"].device_name().lower() == "cuda"
+        assert flat.state["W"].device_name().lower() == "cuda"
+        assert flat.state.flat["Weights.float32"].device_name().lower() == "cuda"
     assert flat_losses == losses
     a, b = flat.get_state(), per_tensor.get_state()
     for w in ("W", "B"):
@@ -134,8 +134,7 @@ def test_captured_steps_train_as_uncaptured_ones(precision):
     state, and gives the uncaptured session's losses, weights, optimizer states and running
     statistics (test_capture.py's model: BatchNorm's statistics take turns, the rest is updated
     in place), with the loss left on the device until it is read. Elsewhere it is refused."""
-    from .test_capture import _batches as capture_batches
-    from .test_capture import _model as capture_model
+    from .test_capture import capture_batches, capture_model
 
     options = dict(use_mixed_precision=precision == "float16")
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", enable_cuda_graph=True,
@@ -153,6 +152,6 @@ def test_captured_steps_train_as_uncaptured_ones(precision):
         assert loss.device_name().lower() == "cuda"
         np.testing.assert_allclose(float(loss.numpy()), expected, rtol=1e-6, err_msg=f"step {step}")
     assert captured.step == plain.step == 16
-    for name in plain._state:
-        np.testing.assert_allclose(captured._state.array(name), plain._state.array(name), rtol=1e-5, atol=1e-6,
+    for name in plain.state:
+        np.testing.assert_allclose(captured.state.array(name), plain.state.array(name), rtol=1e-5, atol=1e-6,
                                    err_msg=name)

@@ -123,7 +123,7 @@ def test_the_eval_graph_writes_its_loss_in_standard_ops_too():
     model = encoder_export()
     session = TrainingSession(model, TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw"),
                               providers=CPU)
-    graph = onnx.ModelProto.FromString(session._graphs.serialized("eval"))
+    graph = onnx.ModelProto.FromString(session.graphs.serialized("eval"))
     assert "SoftmaxCrossEntropyLoss" not in {n.op_type for n in graph.graph.node}
     assert nodes_without_cuda_kernel(graph) == []
     rng = np.random.default_rng(3)

@@ -21,7 +21,7 @@ from gradbuilder.runtime.graphs import Kind
 from gradbuilder.runtime.runner import SPINNING, STOP_SPINNING, taking_turns
 from gradbuilder.runtime.session import TrainingSession
 
-from .test_layers import _model
+from .test_layers import regression_model
 
 CPU = ["CPUExecutionProvider"]
 RUNTIME = Path(inspect.getfile(TrainingSession)).parent
@@ -29,7 +29,7 @@ RUNTIME = Path(inspect.getfile(TrainingSession)).parent
 
 def _session(sess_options=None, **kw) -> TrainingSession:
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw", **kw)
-    return TrainingSession(_model(), params, sess_options, providers=CPU)
+    return TrainingSession(regression_model(), params, sess_options, providers=CPU)
 
 
 def _batch(seed=0):
@@ -73,16 +73,16 @@ def test_every_executor_has_the_local_executors_surface():
 
 def test_a_session_in_one_process_runs_through_a_local_executor():
     sess = _session()
-    assert type(sess._executor) is LocalExecutor
+    assert type(sess.executor) is LocalExecutor
     assert sess.data_shard == (0, 1) and sess.get_partition_info_map() == {}
     sess.run(["loss"], _batch())
-    assert sess.step == sess._executor.step == 1
+    assert sess.step == sess.executor.step == 1
 
 
 # ---------------------------------------------------------------------------- facts derived once
 def test_the_model_facts_are_derived_once_and_shared():
     sess = _session()
-    facts = sess._facts
+    facts = sess.parts.facts
     assert sess.weights is facts.weights and sess.buffers is facts.buffers and sess.loss_name == facts.loss
     assert sorted(facts.weights) == ["B", "W"]
     assert {w: (s.shape, s.dtype) for w, s in facts.specs.items()} == {"W": ((3, 2), np.float32),
@@ -95,12 +95,12 @@ def test_the_model_facts_are_derived_once_and_shared():
 
 def test_the_learning_rate_value_follows_the_rate_without_being_cleared_by_hand():
     sess = _session()
-    first = sess._state.scalar(1e-3)
-    assert sess._state.scalar(1e-3) is first
+    first = sess.state.scalar(1e-3)
+    assert sess.state.scalar(1e-3) is first
     sess.set_learning_rate(0.5)
-    assert float(sess._state.scalar(0.5).numpy()) == 0.5
+    assert float(sess.state.scalar(0.5).numpy()) == 0.5
     sess.set_providers(CPU)  # the same device: the state stays, so does the value
-    assert sess._state.scalar(0.5) is sess._state.scalar(0.5)
+    assert sess.state.scalar(0.5) is sess.state.scalar(0.5)
 
 
 # ---------------------------------------------------------------------------- the kinds table
@@ -132,7 +132,7 @@ def test_each_kinds_session_options_come_from_the_table(user_spinning):
         so.add_session_config_entry(SPINNING, user_spinning)
     sess = _session(so)
     for kind in Kind:
-        options = sess._graphs[kind].session.get_session_options()
+        options = sess.graphs[kind].session.get_session_options()
         assert options.enable_mem_pattern == kind.mem_pattern, kind
         stops = kind.takes_turns and user_spinning is None
         assert _entry(options, STOP_SPINNING) == ("1" if stops else None), kind
@@ -166,7 +166,7 @@ def test_ortmodules_graphs_stop_spinning_at_the_end_of_a_run():
 
 def test_the_graph_cache_is_changed_through_its_methods_only():
     sess = _session()
-    graphs = sess._graphs
+    graphs = sess.graphs
     for attribute in ("providers", "provider_options", "device"):
         with pytest.raises(AttributeError):
             setattr(graphs, attribute, None)
@@ -180,19 +180,19 @@ def test_the_graph_cache_is_changed_through_its_methods_only():
 def test_the_checkpoint_compatibility_policy_lives_in_checkpoint(tmp_path):
     one = _session(gradient_accumulation_steps=1)
     two = _session(gradient_accumulation_steps=2)
-    shapes = {n: tuple(two._state[n].shape()) for n in two._state}
+    shapes = {n: tuple(two.state[n].shape()) for n in two.state}
     path = tmp_path / "c.ckpt"
     one.save_checkpoint(path)
     reader = checkpoint.open_checkpoint(path)
-    mine = {n: tuple(one._state[n].shape()) for n in one._state}
-    assert checkpoint.resumes(path, reader, one._facts.identity, mine) is False
-    assert checkpoint.resumes(path, reader, two._facts.identity, shapes) is True  # saved between accumulations
-    other = TrainingSession(_model(), TrainingParameters(loss_output_name="loss", training_optimizer_name="sgd"),
+    mine = {n: tuple(one.state[n].shape()) for n in one.state}
+    assert checkpoint.resumes(path, reader, one.parts.facts.identity, mine) is False
+    assert checkpoint.resumes(path, reader, two.parts.facts.identity, shapes) is True  # saved between accumulations
+    other = TrainingSession(regression_model(), TrainingParameters(loss_output_name="loss", training_optimizer_name="sgd"),
                             providers=CPU)
-    theirs = {n: tuple(other._state[n].shape()) for n in other._state}
+    theirs = {n: tuple(other.state[n].shape()) for n in other.state}
     with pytest.raises(CheckpointError, match="another model or optimizer"):
-        checkpoint.resumes(path, reader, other._facts.identity, theirs)
+        checkpoint.resumes(path, reader, other.parts.facts.identity, theirs)
     two.run(["loss"], _batch())  # one micro-step in: Accumulation_Step 1
     two.save_checkpoint(path)
     with pytest.raises(CheckpointError, match="middle of a gradient accumulation"):
-        checkpoint.resumes(path, checkpoint.open_checkpoint(path), one._facts.identity, {})
+        checkpoint.resumes(path, checkpoint.open_checkpoint(path), one.parts.facts.identity, {})

@@ -53,7 +53,7 @@ def session(model, threads: int = 1, per_tensor: bool = False, **options) -> Tra
 
 
 def step_graph(s: TrainingSession) -> onnx.ModelProto:
-    return onnx.ModelProto.FromString(s._graphs.serialized("step"))
+    return onnx.ModelProto.FromString(s.graphs.serialized("step"))
 
 
 def update_nodes(model: onnx.ModelProto) -> int:
@@ -91,11 +91,11 @@ def test_the_step_reads_no_size_on_the_host_and_updates_its_buffers_in_place():
     s = session(mlp(3))
     ops = collections.Counter(n.op_type for n in step_graph(s).graph.node)
     assert not ops.keys() & {"If", "Loop", "Scan", "Shape", "Size", "Range", "ConstantOfShape", "NonZero"}, ops
-    assert sorted(s._state.flat) == ["Weights.float32", "Weights.float32.exp_avg", "Weights.float32.exp_avg_sq"]
-    pointers = {n: v.data_ptr() for n, v in s._state.flat.items()}
+    assert sorted(s.state.flat) == ["Weights.float32", "Weights.float32.exp_avg", "Weights.float32.exp_avg_sq"]
+    pointers = {n: v.data_ptr() for n, v in s.state.flat.items()}
     for feeds in batches(3):
         s.run(["loss"], feeds)
-    assert {n: v.data_ptr() for n, v in s._state.flat.items()} == pointers
+    assert {n: v.data_ptr() for n, v in s.state.flat.items()} == pointers
 
 
 def _train(s: TrainingSession, feeds_list, nonfinite_at=None, load_at=None) -> list:
@@ -103,7 +103,7 @@ def _train(s: TrainingSession, feeds_list, nonfinite_at=None, load_at=None) -> l
     for k, feeds in enumerate(feeds_list):
         if k == load_at:
             values = {"W1": np.full((8, 8), 0.05, np.float32)}
-            if "b0.exp_avg" in s._state:  # adam's first moment (float16 with use_fp16_moments)
+            if "b0.exp_avg" in s.state:  # adam's first moment (float16 with use_fp16_moments)
                 values["b0.exp_avg"] = np.full(8, 0.01, s.get_optimizer_state()["b0"]["exp_avg"].dtype)
             s.load_state(values)
         if k == nonfinite_at:
@@ -150,13 +150,13 @@ def test_the_state_by_name_is_the_groups_buffer(threads):
     assert_same_state(flat_s, tensor_s)
     a = flat_s.get_state()
     # each weight is its place in the buffer, and a weight set by name is written there
-    (group,) = [g for g in flat.layout(flat_s._facts.specs, flat_s._builder.options_of, "adamw")]
-    buffer = flat_s._state.flat[group.name].numpy()
+    (group,) = [g for g in flat.layout(flat_s.parts.facts.specs, flat_s.parts.builder.options_of, "adamw")]
+    buffer = flat_s.state.flat[group.name].numpy()
     for m in group.members:
         assert np.array_equal(buffer[m.offset: m.offset + m.size].reshape(m.shape), a["model"]["full_precision"][m.name])
     flat_s.load_state({"b1": np.arange(8, dtype=np.float32)})
     member = next(m for m in group.members if m.name == "b1")
-    assert np.array_equal(flat_s._state.flat[group.name].numpy()[member.offset: member.offset + 8], np.arange(8))
+    assert np.array_equal(flat_s.state.flat[group.name].numpy()[member.offset: member.offset + 8], np.arange(8))
     assert np.array_equal(flat_s.get_state()["model"]["full_precision"]["b1"], np.arange(8))
 
 
@@ -181,7 +181,7 @@ def test_a_weight_over_the_largest_stays_apart(monkeypatch):
     monkeypatch.setattr(flat, "LARGEST", 50)
     model, data = mlp(2), batches(5)
     s = session(model)
-    assert {m.name for g in s._builder.flat_layout for m in g.members} == {"b0", "b1", "Wo"}
+    assert {m.name for g in s.parts.builder.flat_layout for m in g.members} == {"b0", "b1", "Wo"}
     ops = collections.Counter(n.op_type for n in step_graph(s).graph.node)
     assert ops["If"] == 1
     reference = session(model, per_tensor=True)
@@ -216,8 +216,8 @@ def test_the_layout_follows_the_device_unless_asked():
     CUDA only); "flat" and "per_tensor" are what they say; anything else is refused."""
     params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw")
     assert params.optimizer_state_layout == "auto"
-    assert TrainingSession(mlp(2), params, providers=CPU)._state.flat == {}
-    assert session(mlp(2))._state.flat and not session(mlp(2), per_tensor=True)._state.flat
+    assert TrainingSession(mlp(2), params, providers=CPU).state.flat == {}
+    assert session(mlp(2)).state.flat and not session(mlp(2), per_tensor=True).state.flat
     with pytest.raises(Exception, match="optimizer_state_layout: must be 'auto'"):
         TrainingParameters(optimizer_state_layout="fused")
 
@@ -232,7 +232,7 @@ def test_mixed_precision_reads_one_half_copy_of_each_group():
     half = session(model, use_mixed_precision=True, loss_scale=128.0)
     step = step_graph(half)
     casts = [n for n in step.graph.node if n.op_type == "Cast"]
-    weights = {m.name for g in half._builder.flat_layout for m in g.members}
+    weights = {m.name for g in half.parts.builder.flat_layout for m in g.members}
     assert sum(n.input[0] == "Weights.float32" for n in casts) == 1
     assert not any(n.input[0] in weights for n in casts)
     got = _train(half, data)
@@ -261,7 +261,7 @@ def test_a_flat_session_trains_as_pytorch_does(tmp_path, threads):
 
     data = batches(10)
     s = session(export(WithLoss(), data[0]), threads)
-    assert s._state.flat
+    assert s.state.flat
     reference = WithLoss()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     s.set_learning_rate(1e-3)

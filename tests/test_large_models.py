@@ -93,7 +93,7 @@ def child(directory: str, gib: float) -> dict:
     w0 = session.get_model_state()["full_precision"]["W"]
     stage("step", lambda: session.run(["loss"], {"ids": ids, "labels": labels}))
     want_rows, want_w = _expected_step(_rows(table, touched), w0, ids, labels, lr)
-    state = session._state
+    state = session.state
     e_now = state["E"].numpy()  # a view of the state
     checks["step rows"] = float(np.abs(e_now[touched] - want_rows).max())
     checks["step W"] = float(np.abs(state["W"].numpy() - want_w).max())
@@ -118,7 +118,7 @@ def child(directory: str, gib: float) -> dict:
     stage("export", lambda: session.export_model_for_inferencing(infer, ["logits"]))
     head = session.get_model_state()["full_precision"]["W"]
     sample = np.arange(0, rows, max(1, rows // 8))[:8]
-    expected_logits = session._state["E"].numpy()[sample] @ head
+    expected_logits = session.state["E"].numpy()[sample] @ head
     del session, state
     infer_session = ort.InferenceSession(infer, providers=["CPUExecutionProvider"])
     checks["export logits"] = float(np.abs(infer_session.run(["logits"], {"ids": sample})[0] - expected_logits).max())

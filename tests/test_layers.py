@@ -160,7 +160,8 @@ def test_interface_names_are_spelled_in_one_module():
     assert not spelled, spelled
 
 
-def _model() -> onnx.ModelProto:
+def regression_model() -> onnx.ModelProto:
+    """x [n, 3] -> MatMul W, Add B -> mean squared error against t [n, 2] (other tests train it too)."""
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "B"], ["y"]),
              helper.make_node("Sub", ["y", "t"], ["d"]), helper.make_node("Mul", ["d", "d"], ["sq"]),
@@ -176,7 +177,7 @@ def _model() -> onnx.ModelProto:
 def test_a_session_reads_its_model_once_and_leaves_the_builders_model_usable(monkeypatch):
     from gradbuilder.compiler import modelio
 
-    model = _model()
+    model = regression_model()
     given = model.SerializeToString()
     calls = []
     real = modelio.load_proto
@@ -185,7 +186,7 @@ def test_a_session_reads_its_model_once_and_leaves_the_builders_model_usable(mon
     sess = TrainingSession(model, params, providers=["CPUExecutionProvider"])
     assert len(calls) == 1
     assert model.SerializeToString() == given  # the caller's model is untouched
-    state = sess._builder.initial_state()  # after construction too
+    state = sess.parts.builder.initial_state()  # after construction too
     assert sorted(state) == ["B.exp_avg", "B.exp_avg_sq", "Step", "W.exp_avg", "W.exp_avg_sq"]
     assert state["W.exp_avg"].shape == (3, 2) and state["W.exp_avg"].dtype == np.float32
     loss = sess.run(["loss"], {"x": np.ones((4, 3), np.float32), "t": np.zeros((4, 2), np.float32)})

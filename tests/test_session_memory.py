@@ -73,7 +73,7 @@ def test_recompute_trains_exactly_like_without(encoder, options):
         return
     report = sess.recompute_report
     assert report.recomputed and report.bytes_after < report.bytes_before, str(report)
-    step = sess._graphs["step"].session.get_session_options()
+    step = sess.graphs["step"].session.get_session_options()
     assert step.execution_order == ort.ExecutionOrder.PRIORITY_BASED  # what keeps the recompute late
 
 

@@ -92,15 +92,15 @@ def test_bound_state_steps_are_bit_identical_to_unbound_ones(monkeypatch, accumu
     load_state in between and the step-wise API mixed in."""
     from gradbuilder import TrainingParameters, TrainingSession
 
-    from .test_layers import _model
+    from .test_layers import regression_model
 
     def session():
         params = TrainingParameters(loss_output_name="loss", training_optimizer_name="adamw",
                                     gradient_accumulation_steps=accumulation)
-        return TrainingSession(_model(), params, providers=CPU)
+        return TrainingSession(regression_model(), params, providers=CPU)
 
     bound, fresh = session(), session()
-    monkeypatch.setattr(fresh._executor, "_bound", lambda kind, graph, state, per_run, run_options, into={}:
+    monkeypatch.setattr(fresh.executor, "_bound", lambda kind, graph, state, per_run, run_options, into={}:
                         graph.run({n: v for n, v in {**state, **per_run}.items() if n in graph.inputs}, None,
                                   run_options))
     rng = np.random.default_rng(0)
@@ -188,7 +188,7 @@ def test_a_weight_read_after_the_update_may_start_is_not_updated_in_place():
         loss, w2 = sess.run(["loss", "w2"], {})
         np.testing.assert_array_equal(w2, w * w)  # the weights before this step's update
         w = sess.get_state()["model"]["full_precision"]["W"]
-    in_place = sess._graphs.in_place("step")
+    in_place = sess.graphs.in_place("step")
     assert "W" not in in_place and "Step" in in_place
 
 

@@ -171,7 +171,7 @@ def test_deterministic_compute_is_a_training_parameter():
 VOCAB, SEQ, BATCH, DIM = 64, 128, 32, 96
 
 
-def _embedding_model(rng) -> onnx.ModelProto:
+def embedding_model(rng) -> onnx.ModelProto:
     """logits = mean over the sequence of Embedding(ids) @ W; loss = cross-entropy on labels."""
     nodes = [
         helper.make_node("Gather", ["emb", "ids"], ["e"]),  # [B, S, D]
@@ -206,7 +206,7 @@ def _torch_run(model: onnx.ModelProto, batches, lr: float):
 @pytest.mark.parametrize("threads", [1, 2, 4, 16])
 def test_embedding_training_matches_torch_at_every_thread_count(threads):
     rng = np.random.default_rng(0)
-    model = _embedding_model(rng)
+    model = embedding_model(rng)
     batches = [(rng.integers(0, VOCAB, (BATCH, SEQ)), rng.integers(0, 8, BATCH)) for _ in range(6)]
     lr = 0.5
     losses_ref, emb_ref, w_ref = _torch_run(model, batches, lr)

@@ -61,7 +61,7 @@ def child(args) -> None:
     batch = dict(np.load(args.batch))
     feeds = batch if args.child in ("single", "pipeline") else {n: np.array_split(v, world)[rank] for n, v in batch.items()}
     times, comm = [], []
-    dist = sess._executor if hasattr(sess._executor, "comm") else None  # a distributed executor: its collectives
+    dist = sess.executor if hasattr(sess.executor, "comm") else None  # a distributed executor: its collectives
     for step in range(args.warmup + args.steps):
         before = 0.0 if dist is None else dist.comm.seconds + (dist.norm_comm.seconds if dist.norm_comm is not dist.comm else 0)
         t0 = time.perf_counter()

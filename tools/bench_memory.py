@@ -72,7 +72,7 @@ def child(args) -> None:
     sess = TrainingSession(model, params, sess_options=so, providers=["CPUExecutionProvider"])
     sess.set_learning_rate(bt.LR)
     feeds = bt.ort_inputs(data, "cpu")
-    sess._graphs["step"]  # build and load the step graph before the baseline
+    sess.graphs["step"]  # build and load the step graph before the baseline
     report = sess.recompute_report
     base = bt.rss_mib("VmRSS")
     times, losses = [], []

@@ -93,7 +93,7 @@ def count_step(onnx_bytes: bytes, batch: dict, precision: str, optimizer: str = 
     for _ in range(steps):
         session.run(["loss"], batch)
     counts, inserted = last_run_nodes(session.end_profiling())
-    built = onnx.ModelProto.FromString(session._graphs.serialized("step")).graph.node
+    built = onnx.ModelProto.FromString(session.graphs.serialized("step")).graph.node
     handed = collections.Counter(n.op_type for n in built if n.op_type != "Constant")
     return counts, inserted, handed
 

@@ -560,6 +560,49 @@ class TrainingSession:
         """Optimizer updates done so far."""
         return self._executor.step
 
+    # ------------------------------------------------------------------ what the session is a facade over
+    @property
+    def state(self) -> StateStore:
+        """The training state as the steps read and write it, on the execution device
+        (``state.StateStore``, onnxruntime-training's CheckpointState in this session's layout):
+        ``state[name]`` the OrtValue of a weight, running statistic, optimizer state or shared
+        scalar (``Step``, the loss scale), ``array(name)`` a numpy copy of it, ``grads`` the
+        step-wise API's gradients, ``flat`` the buffers of a flat layout. Change it with
+        ``load_state`` or ``load_checkpoint``, which check what they are given."""
+        return self._state
+
+    @property
+    def graphs(self) -> GraphCache:
+        """The session's graphs (``graphs.GraphCache``), each built and compiled on first use:
+        ``graphs[kind]`` (``graphs.Kind``: "step", "gradients", "accumulate", "optimizer",
+        "eval") the compiled graph with its onnxruntime session, ``serialized(kind)`` its ONNX
+        model, ``in_place(kind)`` the state it updates in its own buffers."""
+        return self._graphs
+
+    @property
+    def executor(self) -> Executor:
+        """How the steps run (``executor.Executor``): a ``LocalExecutor`` in this process, a
+        ``capture.CapturedExecutor`` with ``enable_cuda_graph``, or a distributed one
+        (``DataParallel``, ``PipelineParallel``) over a local one."""
+        return self._executor
+
+    def set_executor(self, executor: Executor) -> None:
+        """Run the steps with ``executor`` from now on, one made over this session's ``parts``:
+        ``capture.CapturedExecutor(session.parts)`` runs the captured step's bindings on the CPU,
+        where ``enable_cuda_graph`` is refused."""
+        if not isinstance(executor, Executor) or executor.parts is not self._parts:
+            raise InvalidArgumentError("set_executor takes an executor made over this session's parts "
+                                       "(session.parts)")
+        self._executor = executor
+
+    @property
+    def parts(self) -> Parts:
+        """What the session and its executor share (``executor.Parts``): the model's ``facts``
+        (``model.ModelFacts``: weights, specs, identity), the graph ``builder``
+        (``training.graph.TrainingGraphBuilder``), the ``state``, the ``graphs`` and the
+        session's copy of the parameters (``params``)."""
+        return self._parts
+
 
 class TrainingIOBinding:
     """onnxruntime's IOBinding for a training step: bind the model's inputs and outputs; the
