@@ -413,85 +413,175 @@ class Emitter:
         return value
 
     def _infer(self, node: ir.Node) -> None:
-        op = node.op_type
-        ins = node.inputs
-        first = next((v for v in ins if v is not None), None)
+        """Record what the light inference (``_INFERENCE``, by op type) knows of ``node``'s
+        output: its dtype and dims (Split: every output's dtype)."""
         out = node.outputs[0]
         if node.domain not in ("", "ai.onnx"):
             return
-        if op in _ELEMENTWISE_BINARY or op == "Where":
-            data = ins[1:] if op == "Where" else ins
-            dtype = next((v.dtype for v in data if v is not None and v.dtype is not None), None)
-            self.typed(out, dtype, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
-        elif op in _COMPARE or op == "Not":
-            self.typed(out, ir.DataType.BOOL, broadcast_dims(*[dims_of(v) for v in ins if v is not None]))
-        elif op in _UNARY_SAME:
-            self.typed(out, first.dtype, dims_of(first))
-        elif op == "Cast":
-            self.typed(out, ir.DataType(attr(node, "to")), dims_of(first))
-        elif op == "CastLike":
-            self.typed(out, ins[1].dtype, dims_of(first))
-        elif op == "Shape":
-            d = dims_of(first)
-            start, end = attr(node, "start", 0), attr(node, "end", None)
-            n = len(d[slice(start, end)]) if d is not None else None
-            self.typed(out, ir.DataType.INT64, (n,) if n is not None else None)
-        elif op == "Transpose":
-            d = dims_of(first)
-            perm = attr(node, "perm")
-            if d is not None:
-                perm = perm if perm is not None else list(reversed(range(len(d))))
-                d = tuple(d[p] for p in perm)
-            self.typed(out, first.dtype, d)
-        elif op == "MatMul":
-            a, b = dims_of(ins[0]), dims_of(ins[1])
-            dims = None
-            if a is not None and b is not None and len(a) >= 2 and len(b) >= 2:
-                batch = broadcast_dims(a[:-2], b[:-2])
-                dims = None if batch is None else batch + (a[-2], b[-1])
-            self.typed(out, first.dtype, dims)
-        elif op in ("Expand", "Reshape"):
-            target = constant_of(ins[1])
-            dims = None
-            if target is not None and op == "Expand":
-                dims = broadcast_dims(dims_of(first), tuple(int(t) for t in target))
-            elif target is not None and op == "Reshape":
-                dims = _reshaped_dims(dims_of(first), [int(t) for t in np.ravel(target)], attr(node, "allowzero", 0))
-            self.typed(out, first.dtype, dims)
-        elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
-                    "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceLogSum"):
-            d = dims_of(first)
-            axes = constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
-            dims = None
-            if d is not None and axes is not None:
-                keep = attr(node, "keepdims", 1)
-                ax = {int(a) % max(len(d), 1) for a in np.atleast_1d(axes)}
-                dims = tuple((1 if i in ax else x) for i, x in enumerate(d) if keep or i not in ax)
-            self.typed(out, first.dtype, dims)
-        elif op in ("Squeeze", "Unsqueeze"):
-            d = dims_of(first)
-            axes = constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
-            dims = None
-            if d is not None and axes is not None:
-                ax = [int(a) for a in np.atleast_1d(axes)]
-                if op == "Squeeze":
-                    ax = {a % len(d) for a in ax}
-                    dims = tuple(x for i, x in enumerate(d) if i not in ax)
-                else:
-                    r = len(d) + len(ax)
-                    ax = {a % r for a in ax}
-                    it = iter(d)
-                    dims = tuple(1 if i in ax else next(it) for i in range(r))
-            self.typed(out, first.dtype, dims)
-        elif op in ("ConstantOfShape",):
-            v = attr(node, "value")
-            self.typed(out, ir.DataType.FLOAT if v is None else ir.tensor(v).dtype, None)
-        elif op in ("NonZero", "ArgMax", "ArgMin", "Size"):
-            self.typed(out, ir.DataType.INT64, () if op == "Size" else None)
-        elif op in _DATA_FIRST and first is not None:
-            outs = node.outputs if op == "Split" else node.outputs[:1]
-            for o in outs:
-                self.typed(o, first.dtype, None)
+        infer = _INFERENCE.get(node.op_type)
+        if infer is None:
+            return
+        first = next((v for v in node.inputs if v is not None), None)
+        inferred = infer(node, node.inputs, first)
+        if inferred is None:
+            return
+        for o in (node.outputs if node.op_type == "Split" else [out]):
+            self.typed(o, *inferred)
+
+
+# ----------------------------------------------------------------------------- light inference
+# Each function takes (node, its inputs, the first input given) and returns the (dtype, dims)
+# of the node's output, or None where it knows nothing.
+
+
+def _all_dims(ins) -> tuple | None:
+    return broadcast_dims(*[dims_of(v) for v in ins if v is not None])
+
+
+def _infer_elementwise(node, ins, first):
+    """The first known dtype of the data inputs (Where's condition left out), the broadcast dims."""
+    data = ins[1:] if node.op_type == "Where" else ins
+    dtype = next((v.dtype for v in data if v is not None and v.dtype is not None), None)
+    return dtype, _all_dims(ins)
+
+
+def _infer_comparison(node, ins, first):
+    return ir.DataType.BOOL, _all_dims(ins)
+
+
+def _infer_same_as_first(node, ins, first):
+    return first.dtype, dims_of(first)
+
+
+def _infer_cast(node, ins, first):
+    return ir.DataType(attr(node, "to")), dims_of(first)
+
+
+def _infer_cast_like(node, ins, first):
+    return ins[1].dtype, dims_of(first)
+
+
+def _infer_shape(node, ins, first):
+    """int64 [n], n the number of dims from start to end where the input's rank is known."""
+    d = dims_of(first)
+    start, end = attr(node, "start", 0), attr(node, "end", None)
+    n = len(d[slice(start, end)]) if d is not None else None
+    return ir.DataType.INT64, (n,) if n is not None else None
+
+
+def _infer_transpose(node, ins, first):
+    d = dims_of(first)
+    perm = attr(node, "perm")
+    if d is not None:
+        perm = perm if perm is not None else list(reversed(range(len(d))))
+        d = tuple(d[p] for p in perm)
+    return first.dtype, d
+
+
+def _infer_matmul(node, ins, first):
+    """The batch dims broadcast, then (rows of a, columns of b), for operands of rank 2 or more."""
+    a, b = dims_of(ins[0]), dims_of(ins[1])
+    dims = None
+    if a is not None and b is not None and len(a) >= 2 and len(b) >= 2:
+        batch = broadcast_dims(a[:-2], b[:-2])
+        dims = None if batch is None else batch + (a[-2], b[-1])
+    return first.dtype, dims
+
+
+def _infer_expand(node, ins, first):
+    """The input's dims broadcast with a constant target shape."""
+    target = constant_of(ins[1])
+    dims = None if target is None else broadcast_dims(dims_of(first), tuple(int(t) for t in target))
+    return first.dtype, dims
+
+
+def _infer_reshape(node, ins, first):
+    """The dims a constant target shape gives (_reshaped_dims)."""
+    target = constant_of(ins[1])
+    dims = None
+    if target is not None:
+        dims = _reshaped_dims(dims_of(first), [int(t) for t in np.ravel(target)], attr(node, "allowzero", 0))
+    return first.dtype, dims
+
+
+def _static_axes(node, ins):
+    """The axes of a Reduce*, Squeeze or Unsqueeze: its constant axes input, else its attribute."""
+    return constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
+
+
+def _infer_reduce(node, ins, first):
+    """The input's dims with the reduced axes 1 (keepdims) or dropped."""
+    d = dims_of(first)
+    axes = _static_axes(node, ins)
+    dims = None
+    if d is not None and axes is not None:
+        keep = attr(node, "keepdims", 1)
+        ax = {int(a) % max(len(d), 1) for a in np.atleast_1d(axes)}
+        dims = tuple((1 if i in ax else x) for i, x in enumerate(d) if keep or i not in ax)
+    return first.dtype, dims
+
+
+def _infer_squeeze(node, ins, first):
+    d = dims_of(first)
+    axes = _static_axes(node, ins)
+    dims = None
+    if d is not None and axes is not None:
+        ax = {int(a) % len(d) for a in np.atleast_1d(axes)}
+        dims = tuple(x for i, x in enumerate(d) if i not in ax)
+    return first.dtype, dims
+
+
+def _infer_unsqueeze(node, ins, first):
+    d = dims_of(first)
+    axes = _static_axes(node, ins)
+    dims = None
+    if d is not None and axes is not None:
+        ax = [int(a) for a in np.atleast_1d(axes)]
+        r = len(d) + len(ax)
+        ax = {a % r for a in ax}
+        it = iter(d)
+        dims = tuple(1 if i in ax else next(it) for i in range(r))
+    return first.dtype, dims
+
+
+def _infer_constant_of_shape(node, ins, first):
+    v = attr(node, "value")
+    return ir.DataType.FLOAT if v is None else ir.tensor(v).dtype, None
+
+
+def _infer_int64_index(node, ins, first):
+    """NonZero ArgMax ArgMin: int64 of unknown dims; Size: an int64 scalar."""
+    return ir.DataType.INT64, () if node.op_type == "Size" else None
+
+
+def _infer_data_first(node, ins, first):
+    """The dtype of the first input (the data), dims unknown."""
+    return None if first is None else (first.dtype, None)
+
+
+_REDUCTIONS = frozenset(
+    "ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceSumSquare ReduceL1 ReduceL2 ReduceLogSumExp "
+    "ReduceLogSum".split()
+)
+
+_INFERENCE = {
+    **{op: _infer_elementwise for op in _ELEMENTWISE_BINARY | {"Where"}},
+    **{op: _infer_comparison for op in _COMPARE | {"Not"}},
+    **{op: _infer_same_as_first for op in _UNARY_SAME},
+    "Cast": _infer_cast,
+    "CastLike": _infer_cast_like,
+    "Shape": _infer_shape,
+    "Transpose": _infer_transpose,
+    "MatMul": _infer_matmul,
+    "Expand": _infer_expand,
+    "Reshape": _infer_reshape,
+    **{op: _infer_reduce for op in _REDUCTIONS},
+    "Squeeze": _infer_squeeze,
+    "Unsqueeze": _infer_unsqueeze,
+    "ConstantOfShape": _infer_constant_of_shape,
+    **{op: _infer_int64_index for op in ("NonZero", "ArgMax", "ArgMin", "Size")},
+    **{op: _infer_data_first for op in _DATA_FIRST},
+}
 
 
 def _reshaped_dims(src: tuple | None, target: list[int], allowzero: int) -> tuple:
