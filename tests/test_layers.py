@@ -206,8 +206,6 @@ _EVALUATOR = ("the reference evaluator every check computes with, a hook a test 
 _RULE_TABLES = ("the rule tables copied for a test, a rule dropped from them: compiler/registry.py has no "
                 "public way to unregister a rule or scope registrations to a test")
 READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {
-    ("gradbuilder/runtime/capture.py", "_OrtErrors"): "onnxruntime's error classes under runtime/executor.py's "
-    "private alias; wants a public name there (or capture.py naming them itself)",
     ("gradbuilder/testing/__init__.py", "_evaluator"): _EVALUATOR,
     ("gradbuilder/testing/reference.py", "_evaluator"): _EVALUATOR,
     ("tests/rules/test_roi.py", "_evaluator"): _EVALUATOR,
@@ -224,8 +222,6 @@ READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {
     "runtime/checkpoint.py has no public seam there",
     ("tests/test_files_atomic.py", "_chunks"): "a model write interrupted in the middle of the file: "
     "compiler/detached.py has no public seam there",
-    ("tests/test_step_speed.py", "_bound"): "the step run with a fresh binding each time, against the bound "
-    "one: runtime/executor.py has no public switch for it",
 }
 
 

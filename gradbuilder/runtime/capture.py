@@ -38,7 +38,7 @@ from ..compiler.passes.recompute import RANDOM_OPS
 from ..dtypes import NP_OF_ORT
 from ..errors import InvalidArgumentError, ProviderError
 from ..interface import updated
-from .executor import LocalExecutor, _OrtErrors, updated_and_read
+from .executor import RUN_FAILURES, LocalExecutor, updated_and_read
 from .graphs import Kind
 from .providers import CPU, CUDA, CUDA_GRAPH as OPTION, cached_session, nodes_without_cuda_kernel
 from .runner import StepBinding
@@ -251,7 +251,7 @@ class CapturedExecutor(LocalExecutor):
             step = self._step = CapturedStep(graph, state, p.graphs.in_place(Kind.STEP) & set(state), read)
         try:
             results, new_state = step.run({**checked, p.builder.lr_name: rate}, run_options)
-        except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError) as exc:
+        except RUN_FAILURES as exc:
             raise ProviderError(f"onnxruntime failed running the captured step on {p.graphs.providers[0]}: {exc}") from exc
         results.update({updated(n): v for n, v in new_state.items()})
         self.check_finite(results)

@@ -31,6 +31,9 @@ from .runner import StepBinding
 from .state import StateStore
 
 _OrtErrors = ort.capi.onnxruntime_pybind11_state
+# What onnxruntime raises when a run fails on its provider (a refused input aside): the errors
+# a run falls back to CPU on, or reports as a ProviderError.
+RUN_FAILURES = (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError)
 
 
 @dataclass
@@ -122,6 +125,9 @@ class LocalExecutor(Executor):
         self.parts = parts
         self.owned = list(parts.facts.weights)
         self._bindings: dict[Kind, StepBinding] = {}  # kind -> its bound state, made on its first run
+        # Whether the kinds whose state stays bound run through a StepBinding; False runs each
+        # with a fresh binding every time (the same inputs: what the bound runs are checked against).
+        self.bind_state = True
 
     # ------------------------------------------------------------------ the surface
     def run(self, feeds, rate, outputs, run_options=None):
@@ -189,12 +195,14 @@ class LocalExecutor(Executor):
         checked = self.check_feeds(kind, feeds, given)
         user = {n: p.state.ortvalue(v) for n, v in checked.items()}
         try:
-            if kind.bound:
+            if kind.bound and self.bind_state:
                 return self._bound(kind, graph, state, {**user, **per_run}, run_options, into)
+            if kind.bound:  # the bound state switched off: the state the graph takes, bound afresh
+                return graph.run({n: v for n, v in {**user, **given}.items() if n in graph.inputs}, None, run_options)
             return graph.run({**user, **given}, None, run_options)
         except _OrtErrors.InvalidArgument as exc:
             raise InvalidArgumentError(f"onnxruntime refused the inputs of the {kind} graph: {exc}") from exc
-        except (_OrtErrors.Fail, _OrtErrors.RuntimeException, _OrtErrors.EPFail, RuntimeError) as exc:
+        except RUN_FAILURES as exc:
             bound = {**user, **given}
             fixed = self._fixed_size_failure(kind, exc, bound, given)
             if fixed:
