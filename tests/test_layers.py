@@ -200,15 +200,9 @@ ROOT = PACKAGE.parent
 # (file, private name) -> why that file reads the name from outside the module defining it: no
 # public way to do it yet, and where one belongs. An entry must still be read there (the test
 # fails on one that is not), so fixing a read means deleting its entry.
-_EVALUATOR = ("the reference evaluator every check computes with, a hook a test may replace "
-              "(reference.py reads gradbuilder.testing._evaluator at each call); wants a public name in "
-              "gradbuilder/testing")
 _RULE_TABLES = ("the rule tables copied for a test, a rule dropped from them: compiler/registry.py has no "
                 "public way to unregister a rule or scope registrations to a test")
 READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {
-    ("gradbuilder/testing/__init__.py", "_evaluator"): _EVALUATOR,
-    ("gradbuilder/testing/reference.py", "_evaluator"): _EVALUATOR,
-    ("tests/rules/test_roi.py", "_evaluator"): _EVALUATOR,
     ("gradbuilder/training/graph.py", "_result"): "TrainingGraphBuilder reads its base class's built result; "
     "GradientGraphBuilder.built_model is the public read",
     ("gradbuilder/training/graph.py", "_source"): "TrainingGraphBuilder reads its base class's source model; "

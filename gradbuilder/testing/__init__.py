@@ -17,8 +17,8 @@ One module per concept, every public name importable from here:
 
 - ``float64``: ``to_float64``, a model made float64;
 - ``reference``: the reference evaluator and its op replacements (``reference_evaluator``,
-  ``reference_fixes``, ``reference_fix``, ``max_pool_reference``, ``reference_evaluator_with``,
-  ``patch_reference_evaluator``);
+  ``make_evaluator``, ``reference_fixes``, ``reference_fix``, ``max_pool_reference``,
+  ``reference_evaluator_with``, ``patch_reference_evaluator``);
 - ``finite_differences``: ``gradcheck`` and its report, ``forward_model``, ``numeric_gradient``;
 - ``ort_runs``: onnxruntime runs (``ort_session``, ``run_onnxruntime``, ``ort_run``,
   ``ort_grad_session``, ``ort_grads``) and ``racing_nodes``;
@@ -27,8 +27,8 @@ One module per concept, every public name importable from here:
 - ``large_models``: ``embedding_model_on_disk``;
 - ``memory``: ``resident_bytes``, ``reset_peak``.
 
-``gradbuilder.testing._evaluator`` builds every evaluator the checks use and is looked up at
-each call, so a test may replace it here (``monkeypatch.setattr(testing, "_evaluator", ...)``).
+``gradbuilder.testing.make_evaluator`` builds every evaluator the checks use and is looked up at
+each call, so a test may replace it here (``monkeypatch.setattr(testing, "make_evaluator", ...)``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .memory import reset_peak, resident_bytes
 from .op_checks import check_model, check_op, make_op_model
 from .ort_runs import ort_grad_session, ort_grads, ort_run, ort_session, racing_nodes, run_onnxruntime
 from .reference import (
-    _evaluator,  # noqa: F401 - the name a test may replace (see above)
+    make_evaluator,
     max_pool_reference,
     patch_reference_evaluator,
     reference_evaluator,
@@ -58,6 +58,7 @@ __all__ = [
     "embedding_model_on_disk",
     "forward_model",
     "gradcheck",
+    "make_evaluator",
     "make_op_model",
     "max_pool_reference",
     "numeric_gradient",

@@ -17,15 +17,16 @@ def reference_evaluator(proto: onnx.ModelProto):
     :func:`gradcheck` and :func:`make_op_model` use; ``onnx.reference.ReferenceEvaluator`` is
     looked up at call time, so a test may patch it, see :func:`patch_reference_evaluator`).
 
-    ``gradbuilder.testing._evaluator`` builds it, looked up at each call: a test may replace that
-    name to change what every check computes with."""
+    ``gradbuilder.testing.make_evaluator`` builds it, looked up at each call: a test may replace
+    that name to change what every check computes with."""
     from .. import testing  # the package's attribute, as a test may have set it
 
-    return testing._evaluator(proto)
+    return testing.make_evaluator(proto)
 
 
-def _evaluator(proto: onnx.ModelProto):
-    """:func:`reference_evaluator` (kept under this name: tests patch it)."""
+def make_evaluator(proto: onnx.ModelProto):
+    """Builds the evaluator :func:`reference_evaluator` returns: the hook a test replaces as
+    ``gradbuilder.testing.make_evaluator`` to change what every check computes with."""
     from onnx.reference import ReferenceEvaluator
 
     ops = list(reference_fixes())

@@ -237,7 +237,7 @@ def test_max_roi_pool_spec_float64(rng, monkeypatch):
 
     import gradbuilder.testing as testing
 
-    monkeypatch.setattr(testing, "_evaluator", lambda proto: ReferenceEvaluator(proto, new_ops=[MaxRoiPool]))
+    monkeypatch.setattr(testing, "make_evaluator", lambda proto: ReferenceEvaluator(proto, new_ops=[MaxRoiPool]))
     x = max_roi_distinct(rng, (2, 3, 6, 7)) - 1.0  # mostly negative
     for pooled in ([3, 2], [2, 4]):
         check_op("MaxRoiPool", [("x", x), ("rois", MAX_ROI_ROIS)], {"pooled_shape": pooled}, opset=22, wrt=["x"], ort=False)
