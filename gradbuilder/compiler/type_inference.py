@@ -132,8 +132,7 @@ def _untyped_loop_bodies(graph: onnx.GraphProto) -> bool:
 def _type_loop_bodies(graph: onnx.GraphProto, inferred: onnx.GraphProto) -> None:
     """Give untyped Loop/Scan body inputs (as in some ONNX function bodies) the types the
     node's inputs imply, so shape inference can reach inside the body."""
-    types = {v.name: v.type for v in list(inferred.input) + list(inferred.value_info) + list(inferred.output)}
-    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
+    types = value_types(inferred)
     for node in graph.node:
         if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx"):
             continue

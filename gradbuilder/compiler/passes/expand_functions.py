@@ -14,6 +14,7 @@ import onnx.inliner
 from onnx import helper
 
 from .. import registry
+from ..type_inference import value_types
 from ...dtypes import FLOAT_TENSOR_TYPES as _FLOATS
 from ...errors import UnsupportedOpError
 
@@ -33,15 +34,6 @@ def _reached(proto: onnx.ModelProto, weights) -> set[str]:
         if _carries(node, reached):
             reached.update(o for o in node.output if o)
     return reached
-
-
-def _types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    out = {}
-    for v in list(proto.graph.input) + list(proto.graph.value_info) + list(proto.graph.output):
-        out[v.name] = v.type
-    for t in proto.graph.initializer:
-        out.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
-    return out
 
 
 def _version(versions, opset: int) -> int | None:
@@ -75,7 +67,7 @@ def expand_functions(proto: onnx.ModelProto, weights, opset: int) -> bool:
     """Replace, in place, the rule-less function ops on the weights' float paths by their
     bodies. Returns whether anything was expanded."""
     reached = _reached(proto, weights)
-    types = _types(proto)
+    types = value_types(proto.graph)
     versions = {("" if imp.domain == "ai.onnx" else imp.domain): imp.version for imp in proto.opset_import}
     functions = []
     origins = {}
