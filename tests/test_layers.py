@@ -203,10 +203,6 @@ ROOT = PACKAGE.parent
 _RULE_TABLES = ("the rule tables copied for a test, a rule dropped from them: compiler/registry.py has no "
                 "public way to unregister a rule or scope registrations to a test")
 READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {
-    ("gradbuilder/training/graph.py", "_result"): "TrainingGraphBuilder reads its base class's built result; "
-    "GradientGraphBuilder.built_model is the public read",
-    ("gradbuilder/training/graph.py", "_source"): "TrainingGraphBuilder reads its base class's source model; "
-    "wants a public read in compiler/builder.py",
     ("tests/rules/test_conv.py", "_RULES"): _RULE_TABLES,
     ("tests/test_extension.py", "_RULES"): _RULE_TABLES,
     ("tests/test_extension.py", "_STOP_EDGES"): _RULE_TABLES,

@@ -265,6 +265,11 @@ class GradientGraphBuilder:
         outputs = [values[n] for n in self.outputs]
         return weights, outputs, loss
 
+    @property
+    def source(self):
+        """The model the builder was given (bytes, a path, a ModelProto or a Graph), as given."""
+        return self._source
+
     # ----------------------------------------------------------------------------- results
     def built_model(self) -> DetachedModel:
         """The built gradient graph as a ``DetachedModel`` (the skeleton and its large arrays,

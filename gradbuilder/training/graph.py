@@ -110,11 +110,11 @@ class TrainingGraphBuilder(GradientGraphBuilder):
 
     def build(self) -> "TrainingGraphBuilder":
         super().build()
-        skeleton = self._result.skeleton
+        skeleton = self.built_model().skeleton
         skeleton.doc_string = TRAINING_GRAPH_DOC + (f"\n\n{skeleton.doc_string}" if skeleton.doc_string else "")
         skeleton.graph.doc_string = TRAINING_GRAPH_DOC
         if self.dump_paths.get("gradient"):
-            gradients = GradientGraphBuilder(self._source, self.weights, [self.loss], self.loss,
+            gradients = GradientGraphBuilder(self.source, self.weights, [self.loss], self.loss,
                                              stop_gradients=self.stop_gradients, base_dir=self.base_dir,
                                              warn_about_model=False)
             gradients.build().save(self.dump_paths["gradient"])
@@ -175,7 +175,7 @@ class TrainingGraphBuilder(GradientGraphBuilder):
     def _weight_specs(self) -> dict[str, np.ndarray]:
         """Each weight as an array of its dtype and shape (its initializer or Constant node, or
         a zero-strided view standing for a graph input of fixed shape)."""
-        proto = modelio.read_proto(self._source, self.base_dir)
+        proto = modelio.read_proto(self.source, self.base_dir)
         tensors = [*proto.graph.initializer, *modelio.float_constants(proto.graph).values()]
         specs = {t.name: numpy_helper.to_array(t) for t in tensors if t.name in self.weights and not t.external_data}
         for i in proto.graph.input:
@@ -232,7 +232,7 @@ class StepGradientsBuilder(GradientGraphBuilder):
     come out as ``B.updated``, kept only when the loss and gradients are finite."""
 
     def __init__(self, training: TrainingGraphBuilder, outputs, accumulate: bool):
-        super().__init__(training._source, training.weights, outputs, training.loss, running_statistics=True,
+        super().__init__(training.source, training.weights, outputs, training.loss, running_statistics=True,
                          mixed_precision=training.mixed_precision, cast_propagation=training.cast_propagation,
                          recompute=training.recompute, memory_efficient_gradient=training.memory_efficient_gradient,
                          deterministic=training.deterministic, base_dir=training.base_dir,
