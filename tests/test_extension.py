@@ -28,10 +28,9 @@ class CubePlus(OpRun):
 
 
 @pytest.fixture
-def clean_registry(monkeypatch):
-    registry.load_rules()
-    monkeypatch.setattr(registry, "_RULES", {k: list(v) for k, v in registry._RULES.items()})
-    monkeypatch.setattr(registry, "_STOP_EDGES", dict(registry._STOP_EDGES))
+def clean_registry():
+    with registry.scoped():
+        yield
 
 
 def custom_model():
@@ -92,7 +91,7 @@ def test_stop_gradient_edge_on_a_standard_op(clean_registry):
 def test_op_without_rule_is_differentiated_through_its_function_body(clean_registry):
     from gradbuilder.testing import check_op
 
-    registry._RULES.pop(("", "ThresholdedRelu"))  # an ONNX function: Greater, Where
+    assert registry.unregister("", "ThresholdedRelu")  # an ONNX function: Greater, Where
     x = np.random.default_rng(0).uniform(-2, 2, (3, 4)).astype(np.float32)
     check_op("ThresholdedRelu", [("x", x)], {"alpha": 0.5}, opset=18)
     model = make_model([helper.make_node("ThresholdedRelu", ["W"], ["y"], alpha=0.5),
@@ -100,6 +99,20 @@ def test_op_without_rule_is_differentiated_through_its_function_body(clean_regis
                        [], [vi("loss", [])], [tensor("W", x)], opset=18)
     out = GradientGraphBuilder(model, ["W"], ["loss"], "loss").build().model_proto
     assert "ThresholdedRelu" not in {n.op_type for n in out.graph.node}
+
+
+def test_a_scoped_block_leaves_the_rules_and_edges_as_they_were():
+    before = registry.all_rules()
+    relu = registry.lookup("", "Relu", 17)
+    with pytest.raises(RuntimeError, match="inside"), registry.scoped():
+        register_gradient("CubePlus", domain="my.ops")(lambda n, dys, needs, e: (None, None))
+        register_custom_stop_gradient_edges({0}, "Relu")
+        assert [r.op_type for r in registry.unregister("", "Relu")] == ["Relu"]
+        assert registry.lookup("", "Relu", 17) is None and registry.unregister("", "Relu") == []
+        raise RuntimeError("inside")
+    assert registry.all_rules() == before and registry.lookup("", "Relu", 17) == relu
+    assert registry.lookup("my.ops", "CubePlus", 17) is None
+    assert registry.stop_gradient_edges("", "Relu") == frozenset()
 
 
 def test_new_function_op_swiglu_gets_a_gradient_without_a_rule():

@@ -200,12 +200,7 @@ ROOT = PACKAGE.parent
 # (file, private name) -> why that file reads the name from outside the module defining it: no
 # public way to do it yet, and where one belongs. An entry must still be read there (the test
 # fails on one that is not), so fixing a read means deleting its entry.
-_RULE_TABLES = ("the rule tables copied for a test, a rule dropped from them: compiler/registry.py has no "
-                "public way to unregister a rule or scope registrations to a test")
 READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {
-    ("tests/rules/test_conv.py", "_RULES"): _RULE_TABLES,
-    ("tests/test_extension.py", "_RULES"): _RULE_TABLES,
-    ("tests/test_extension.py", "_STOP_EDGES"): _RULE_TABLES,
     ("tests/test_faults.py", "_host_bytes"): "a checkpoint write failed in the middle of the file: "
     "runtime/checkpoint.py has no public seam there",
     ("tests/test_files_atomic.py", "_host_bytes"): "a checkpoint write interrupted in the middle of the file: "

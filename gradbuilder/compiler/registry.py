@@ -14,11 +14,12 @@ forward nodes: they only emit new nodes through ``e``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import pkgutil
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -69,6 +70,29 @@ def register(op_type: str | Iterable[str], domain: str = "", since: int = 1):
         return fn
 
     return deco
+
+
+def unregister(domain: str, op_type: str) -> list[RuleEntry]:
+    """Take the rules of ``op_type`` in ``domain`` (every opset's) out of the registry and return
+    them (none: an empty list); the op is then differentiated as if it had no rule."""
+    load_rules()  # else the rule modules would register it again on the next lookup
+    return _RULES.pop((_norm_domain(domain), op_type), [])
+
+
+@contextlib.contextmanager
+def scoped() -> Iterator[None]:
+    """A block whose registrations are undone at its end: the rules and stop-gradient edges
+    registered, replaced or unregistered inside it are as they were before it once it exits."""
+    load_rules()  # the built-in rules belong to the state restored, not to the block
+    rules = {key: list(entries) for key, entries in _RULES.items()}
+    edges = dict(_STOP_EDGES)
+    try:
+        yield
+    finally:
+        _RULES.clear()
+        _RULES.update(rules)
+        _STOP_EDGES.clear()
+        _STOP_EDGES.update(edges)
 
 
 _STOP_EDGES: dict[tuple[str, str], frozenset[int]] = {}

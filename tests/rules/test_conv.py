@@ -531,12 +531,9 @@ def test_causal_conv_with_state_matches_the_function_body(t):
 
     model, weights, feeds = causal_model(causal_cleaned(causal_inputs(t)), {"activation": "silu"})
     direct = causal_gradients(model, weights, feeds, float64=True)
-    key = ("", "CausalConvWithState")
-    saved = registry._RULES.pop(key)
-    try:
+    with registry.scoped():
+        assert registry.unregister("", "CausalConvWithState")
         body = causal_gradients(model, weights, feeds, float64=True)
-    finally:
-        registry._RULES[key] = saved
     for w in weights:
         np.testing.assert_allclose(direct[w], body[w], rtol=1e-5, atol=1e-6, err_msg=w)  # the body rounds via float32
 
