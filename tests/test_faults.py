@@ -132,7 +132,7 @@ def test_checkpoints_written_in_the_background_are_the_foreground_ones(tmp_path,
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_host_bytes", full)
+    monkeypatch.setattr(checkpoint, "host_bytes", full)
     with pytest.raises(CheckpointError, match="could not write checkpoint .*full.update00000004.* No space left"):
         fit(_session(), _data(), steps=6, batch_size=8, checkpoint=tmp_path / "full.safetensors", save_every=4,
             save_in_background=True, progress=False)

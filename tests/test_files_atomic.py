@@ -66,14 +66,14 @@ def interrupting(fn):
 
 
 def chunks_then_sigint(self):
-    """DetachedModel._chunks that is interrupted after its first chunk: a half-written model."""
+    """DetachedModel.chunks that is interrupted after its first chunk: a half-written model."""
     for i, chunk in enumerate(original_chunks(self)):
         yield chunk
         if i == 0:
             sigint()
 
 
-original_chunks = DetachedModel._chunks
+original_chunks = DetachedModel.chunks
 
 
 def with_state(version):
@@ -84,7 +84,7 @@ def with_state(version):
 # name -> (save(tmp_path, version, fixtures), [(object, attribute) whose call is interrupted mid-save])
 SAVES = {
     "checkpoint.save": (lambda t, v, fx: checkpoint.save(t / "c.safetensors", with_state(v)),
-                        ["gradbuilder.runtime.checkpoint._host_bytes"]),
+                        ["gradbuilder.runtime.checkpoint.host_bytes"]),
     "GradientGraphBuilder.save": (lambda t, v, fx: fx["built"].save(t / "m.onnx"), ["chunks"]),
     "GradientGraphBuilder.save external data": (
         lambda t, v, fx: fx["built"].save(t / "m.onnx", external_data=True), []),
@@ -96,7 +96,7 @@ SAVES = {
         ["chunks", "gradbuilder.tensorfiles.bytes_of"]),
     "TrainingSession.save_checkpoint": (
         lambda t, v, fx: (fx["trained"].set_learning_rate(0.1 * (v + 1)), fx["trained"].save_checkpoint(t / "s.ckpt")),
-        ["gradbuilder.runtime.checkpoint._host_bytes"]),
+        ["gradbuilder.runtime.checkpoint.host_bytes"]),
 }
 
 POINTS = [(save, point) for save, (_, points) in SAVES.items() for point in ["fsync"] + points]
@@ -113,7 +113,7 @@ def test_sigint_during_save_leaves_no_trace(tmp_path, monkeypatch, built, traine
     if point == "fsync":
         monkeypatch.setattr(os, "fsync", interrupting(os.fsync))
     elif point == "chunks":
-        monkeypatch.setattr(DetachedModel, "_chunks", chunks_then_sigint)
+        monkeypatch.setattr(DetachedModel, "chunks", chunks_then_sigint)
     else:
         module, name = point.rsplit(".", 1)
         monkeypatch.setattr(importlib.import_module(module), name, interrupting(getattr(importlib.import_module(module), name)))

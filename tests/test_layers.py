@@ -200,14 +200,7 @@ ROOT = PACKAGE.parent
 # (file, private name) -> why that file reads the name from outside the module defining it: no
 # public way to do it yet, and where one belongs. An entry must still be read there (the test
 # fails on one that is not), so fixing a read means deleting its entry.
-READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {
-    ("tests/test_faults.py", "_host_bytes"): "a checkpoint write failed in the middle of the file: "
-    "runtime/checkpoint.py has no public seam there",
-    ("tests/test_files_atomic.py", "_host_bytes"): "a checkpoint write interrupted in the middle of the file: "
-    "runtime/checkpoint.py has no public seam there",
-    ("tests/test_files_atomic.py", "_chunks"): "a model write interrupted in the middle of the file: "
-    "compiler/detached.py has no public seam there",
-}
+READ_FROM_OUTSIDE: dict[tuple[str, str], str] = {}
 
 
 def _private(name: str) -> bool:

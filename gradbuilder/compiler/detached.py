@@ -44,10 +44,11 @@ class DetachedModel:
         head.graph.initializer.extend(small)
         return head, big
 
-    def _chunks(self):
+    def chunks(self):
         """The serialized model in pieces: the skeleton, then per large tensor the encoding of
         ``ModelProto{graph{initializer{<its metadata> raw_data}}}``, its bytes taken straight
-        from the array (never copied into a protobuf)."""
+        from the array (never copied into a protobuf). ``to_bytes`` and ``write`` (one file)
+        take the model from here: the seam where a test stops a write in the middle of the file."""
         head, big = self._split()
         yield head.SerializeToString()
         for meta in big:
@@ -60,7 +61,7 @@ class DetachedModel:
     def to_bytes(self) -> bytes:
         if self.byte_size() >= TWO_GB:
             raise OutputError("the model is over 2 GB and cannot be one byte string; use save(path)")
-        return b"".join(self._chunks())
+        return b"".join(self.chunks())
 
     def to_proto(self) -> onnx.ModelProto:
         full = onnx.ModelProto()
@@ -101,7 +102,7 @@ class DetachedModel:
         name beside the model). Not atomic by itself: ``save`` writes temporary files with it."""
         if data_file is None:
             with open(model_file, "wb") as f:
-                for chunk in self._chunks():
+                for chunk in self.chunks():
                     f.write(chunk)
             return
         head, big = self._split()

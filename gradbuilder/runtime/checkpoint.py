@@ -90,9 +90,11 @@ def _spec(name, value):
     return code, shape
 
 
-def _host_bytes(value, code):
+def host_bytes(value, code):
     """A tensor's bytes on the host: a view of a numpy array's or a CPU OrtValue's own memory
-    when it is little-endian C order already, a copy of this one tensor otherwise."""
+    when it is little-endian C order already, a copy of this one tensor otherwise. ``save``
+    calls it through this module's name for each tensor, after the header: the seam where a
+    test makes a write fail or stop in the middle of the file."""
     return _bytes_of(value.numpy() if isinstance(value, ort.OrtValue) else value, code)
 
 
@@ -149,7 +151,7 @@ def save(path, tensors, metadata=None):
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for name in sorted(entries):
-                data = _host_bytes(tensors[name], entries[name][0])
+                data = host_bytes(tensors[name], entries[name][0])
                 for start in range(0, data.size, CHUNK):
                     digest.update(data[start:start + CHUNK])
                     f.write(data[start:start + CHUNK])
