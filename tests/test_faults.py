@@ -230,6 +230,7 @@ def test_a_process_killed_anywhere_resumes_and_ends_bit_identical(tmp_path, unin
     _assert_identical(_final(tmp_path, "run"), uninterrupted)
 
 
+@pytest.mark.slow  # a training run in a subprocess, killed mid-write, then resumed
 def test_a_process_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path):
     """SIGKILL while a periodic checkpoint is being written (its temporary file exists): the
     earlier checkpoints are whole, the resumed run removes the temporary and ends bit-identical."""

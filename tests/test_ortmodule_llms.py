@@ -20,7 +20,10 @@ from .llm_models import ARCHITECTURES, MOE_ARCHITECTURES, OTHER_FAMILIES, batch,
 pytest.importorskip("transformers", minversion="5.0")
 
 STEPS = 3
-CASES = [(a, attn, padded) for a in ARCHITECTURES for attn in (None, "eager") for padded in (False, True)]
+# transformers' default attention (sdpa) in the fast lane; the eager one with the slow tests
+CASES = [pytest.param(a, attn, padded, id=f"{a}-{attn or 'sdpa'}-{'padded' if padded else 'no-mask'}",
+                      marks=[pytest.mark.slow] if attn else [])
+         for a in ARCHITECTURES for attn in (None, "eager") for padded in (False, True)]
 
 
 @contextlib.contextmanager
@@ -64,8 +67,7 @@ def assert_trains_as_pytorch(model, data, **options):
     assert want[0] != want[-1]  # it trained
 
 
-@pytest.mark.parametrize("architecture,attn,padded", CASES,
-                         ids=[f"{a}-{attn or 'sdpa'}-{'padded' if p else 'no-mask'}" for a, attn, p in CASES])
+@pytest.mark.parametrize("architecture,attn,padded", CASES)
 def test_a_causal_lm_trains_as_in_pytorch(architecture, attn, padded):
     with _quiet():
         model = causal_lm(architecture, attn)

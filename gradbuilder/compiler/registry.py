@@ -21,11 +21,8 @@ import importlib.util
 import pkgutil
 from typing import Callable, Iterable, Iterator, Sequence
 
-import numpy as np
 import onnx_ir as ir
 
-from ..dtypes import FLOAT_TENSOR_TYPES
-from ..errors import GradientRuleError
 
 Rule = Callable[..., Sequence["ir.Value | None"]]
 
