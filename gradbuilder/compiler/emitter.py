@@ -509,39 +509,41 @@ def _static_axes(node, ins):
     return constant_of(ins[1]) if len(ins) > 1 else attr(node, "axes")
 
 
-def _infer_reduce(node, ins, first):
-    """The input's dims with the reduced axes 1 (keepdims) or dropped."""
-    d = dims_of(first)
-    axes = _static_axes(node, ins)
-    dims = None
-    if d is not None and axes is not None:
-        keep = attr(node, "keepdims", 1)
-        ax = {int(a) % max(len(d), 1) for a in np.atleast_1d(axes)}
-        dims = tuple((1 if i in ax else x) for i, x in enumerate(d) if keep or i not in ax)
+def _axes_applied(node, ins, first, apply):
+    """The first input's dtype, and its dims with ``apply(dims, axes)`` where both are static."""
+    d, axes = dims_of(first), _static_axes(node, ins)
+    dims = apply(node, d, [int(a) for a in np.atleast_1d(axes)]) if d is not None and axes is not None else None
     return first.dtype, dims
+
+
+def _reduced(node, d, axes):
+    """The reduced axes 1 (keepdims) or dropped."""
+    keep = attr(node, "keepdims", 1)
+    ax = {a % max(len(d), 1) for a in axes}
+    return tuple((1 if i in ax else x) for i, x in enumerate(d) if keep or i not in ax)
+
+
+def _squeezed(node, d, axes):
+    ax = {a % len(d) for a in axes}
+    return tuple(x for i, x in enumerate(d) if i not in ax)
+
+
+def _unsqueezed(node, d, axes):
+    r = len(d) + len(axes)
+    ax, it = {a % r for a in axes}, iter(d)
+    return tuple(1 if i in ax else next(it) for i in range(r))
+
+
+def _infer_reduce(node, ins, first):
+    return _axes_applied(node, ins, first, _reduced)
 
 
 def _infer_squeeze(node, ins, first):
-    d = dims_of(first)
-    axes = _static_axes(node, ins)
-    dims = None
-    if d is not None and axes is not None:
-        ax = {int(a) % len(d) for a in np.atleast_1d(axes)}
-        dims = tuple(x for i, x in enumerate(d) if i not in ax)
-    return first.dtype, dims
+    return _axes_applied(node, ins, first, _squeezed)
 
 
 def _infer_unsqueeze(node, ins, first):
-    d = dims_of(first)
-    axes = _static_axes(node, ins)
-    dims = None
-    if d is not None and axes is not None:
-        ax = [int(a) for a in np.atleast_1d(axes)]
-        r = len(d) + len(ax)
-        ax = {a % r for a in ax}
-        it = iter(d)
-        dims = tuple(1 if i in ax else next(it) for i in range(r))
-    return first.dtype, dims
+    return _axes_applied(node, ins, first, _unsqueezed)
 
 
 def _infer_constant_of_shape(node, ins, first):
