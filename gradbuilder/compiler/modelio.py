@@ -291,11 +291,32 @@ def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
     _fill_default_axes(proto.graph)
+    _drop_wrong_constant_shapes(proto.graph)
     try:
         infer_types(proto)
     except Exception as exc:
         raise InvalidModelError(f"the model does not type-check (onnx shape inference): {exc}") from exc
     return proto
+
+
+def _drop_wrong_constant_shapes(graph: onnx.GraphProto) -> None:
+    """Forget a declared shape of a Constant's output that its value contradicts (onnxruntime-
+    genai's builder declares its [1] constants as rank 0): the value is the shape, and the
+    wrong one would fail strict inference."""
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                 and n.output and any(a.name == "value" for a in n.attribute)}
+    wrong = set()
+    for v in graph.value_info:
+        node = constants.get(v.name)
+        if node is None or not v.type.tensor_type.HasField("shape"):
+            continue
+        value = next(a.t for a in node.attribute if a.name == "value")
+        if len(v.type.tensor_type.shape.dim) != len(value.dims):
+            wrong.add(v.name)
+    if wrong:
+        kept = [v for v in graph.value_info if v.name not in wrong]
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
 
 
 def _fill_default_axes(graph: onnx.GraphProto) -> None:

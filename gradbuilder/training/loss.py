@@ -12,7 +12,13 @@ nll                 F.nll_loss(output, target, ...)             int64 [N] or [N,
 mse                 F.mse_loss(output, target, ...)             like ``output``
 l1                  F.l1_loss(output, target, ...)              like ``output``
 bcewithlogits       F.binary_cross_entropy_with_logits(...)     like ``output``
+causal_lm           transformers' causal-LM loss: logits        int64 [N, S]: the tokens,
+                    [N, S, V] at t against labels at t + 1      -100 where not scored
 ==================  ==========================================  ==========================
+
+causal_lm is crossentropy on shifted positions (logits[:, :-1] against labels[:, 1:], the
+vocabulary axis moved to 1), ignore_index -100 by default, as transformers' ``*ForCausalLM``
+computes it from ``labels``: padding and prompt tokens given as -100 count for nothing.
 
 crossentropy and nll use ONNX's SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss, which
 define weight, ignore_index and reduction as torch does (the weighted mean divides by the
@@ -42,7 +48,7 @@ from ..errors import InvalidArgumentError, InvalidModelError
 
 __all__ = ["append_loss", "LOSS_KINDS", "REDUCTIONS"]
 
-LOSS_KINDS = ("crossentropy", "nll", "mse", "l1", "bcewithlogits")
+LOSS_KINDS = ("crossentropy", "nll", "mse", "l1", "bcewithlogits", "causal_lm")
 REDUCTIONS = ("mean", "sum", "none")
 
 # Spellings accepted for each kind, after lower-casing and dropping '_', '-', ' ' and a
@@ -61,9 +67,10 @@ _ALIASES = {
     "mae": "l1",
     "bcewithlogits": "bcewithlogits",
     "binarycrossentropywithlogits": "bcewithlogits",
+    "causallm": "causal_lm",
 }
 
-_CLASS_KINDS = ("crossentropy", "nll")
+_CLASS_KINDS = ("crossentropy", "nll", "causal_lm")
 _FLOAT_NP = {
     TensorProto.FLOAT: np.float32,
     TensorProto.DOUBLE: np.float64,
@@ -217,7 +224,11 @@ def append_loss(
     e = Emitter(graph, opset, scope=f"{loss_name}/")
     e.reserve(loss_name)
     x, dtype = _value_named(graph, output), ir.DataType(out_type.tensor_type.elem_type)
-    if kind in _CLASS_KINDS:
+    if kind == "causal_lm":
+        scores, labels = _shifted(e, x, target)
+        loss = _class_loss(e, "crossentropy", scores, labels, dtype, reduction, None,
+                           -100 if ignore_index is None else ignore_index, label_smoothing, [None] * 3)
+    elif kind in _CLASS_KINDS:
         loss = _class_loss(e, kind, x, target, dtype, reduction, weights.get("weight"), ignore_index, label_smoothing,
                            dims)
     else:
@@ -227,7 +238,8 @@ def append_loss(
             v.type, v.shape = None, None
     loss.name = loss_name
     loss.type = ir.TensorType(dtype)
-    loss.shape = ir.serde.deserialize_type_proto_for_shape(target_type) if reduction == "none" else ir.Shape([])
+    loss.shape = (ir.Shape([]) if reduction != "none" else None if kind == "causal_lm"
+                  else ir.serde.deserialize_type_proto_for_shape(target_type))
     graph.outputs.append(loss)
     return ir.to_proto(ir_model)
 
@@ -247,8 +259,8 @@ def _check_options(kind, output, target_name, loss_name, weight, ignore_index, p
             )
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
             raise InvalidArgumentError(f"ignore_index must be an integer, got {ignore_index!r}")
-    if weight is not None and kind in ("mse", "l1"):
-        raise InvalidArgumentError(f"'{kind}' takes no weight (torch's F.{kind}_loss has none)")
+    if weight is not None and kind in ("mse", "l1", "causal_lm"):
+        raise InvalidArgumentError(f"'{kind}' takes no weight")
     if pos_weight is not None and kind != "bcewithlogits":
         raise InvalidArgumentError(f"pos_weight applies to bcewithlogits only, not to '{kind}'")
     label_smoothing = float(label_smoothing or 0.0)
@@ -311,6 +323,8 @@ def _check_names(graph: onnx.GraphProto, kind, output, dims, target_name, loss_n
     for name, given in ((f"{loss_name}.class_weight", weight), (f"{loss_name}.pos_weight", pos_weight)):
         if given is not None and name in taken:
             raise InvalidArgumentError(f"the model already has a value named '{name}'; choose another loss_name")
+    if kind == "causal_lm" and dims is not None and len(dims) != 3:
+        raise InvalidArgumentError(f"'causal_lm' reads logits shaped [N, S, V]; output '{output}' has rank {len(dims)}")
     if kind in _CLASS_KINDS and dims is not None and len(dims) < 2:
         raise InvalidArgumentError(
             f"'{kind}' reads scores shaped [N, C] or [N, C, d1..]; output '{output}' has rank {len(dims)}"
@@ -320,6 +334,8 @@ def _check_names(graph: onnx.GraphProto, kind, output, dims, target_name, loss_n
 def _target_type(kind: str, out_type: onnx.TypeProto) -> onnx.TypeProto:
     """Class indices (int64, the scores' shape less the class axis), or the output's type."""
     dims = _dims(out_type)
+    if kind == "causal_lm":
+        return _tensor_type(TensorProto.INT64, None if dims is None else dims[:-1])
     if kind in _CLASS_KINDS:
         return _tensor_type(TensorProto.INT64, None if dims is None else [dims[0]] + dims[2:])
     return _tensor_type(out_type.tensor_type.elem_type, dims)
@@ -386,6 +402,14 @@ def _warn_if_probabilities(graph: onnx.GraphProto, output: str) -> None:
                 f"probabilities of {where}: it would train on -p[target], not -log p[target]. Use loss "
                 f"'crossentropy' on the Softmax's input '{node.input[0]}' (the loss output; it applies log-softmax "
                 "itself), or make the model output LogSoftmax")
+
+
+def _shifted(e: Emitter, logits: ir.Value, tokens: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(the logits of positions 0..S-2 as [N, V, S-1], the labels of positions 1..S-1): each
+    position scored against the next token."""
+    scores = e.Transpose(e.Slice(logits, e.ints([0]), e.ints([-1]), e.ints([1])), perm=[0, 2, 1])
+    labels = e.Slice(tokens, e.ints([1]), e.ints([np.iinfo(np.int64).max]), e.ints([1]))
+    return scores, labels
 
 
 def _class_loss(e: Emitter, kind, scores, target, dtype: ir.DataType, reduction, weight, ignore_index, smoothing,
