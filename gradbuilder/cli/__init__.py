@@ -1,4 +1,4 @@
-"""The `gradbuilder` command: build, artifacts, ops, demo, train.
+"""The `gradbuilder` command: build, artifacts, ops, demo, train, lora.
 
 Exit status: 0 done; 1 a failure while working (onnxruntime failed, a file could not be
 written, the model's graph could not be differentiated or trained); 2 a usage error, as
@@ -13,7 +13,8 @@ without loading onnx, onnxruntime or numpy; each command imports what it needs.
 
 One module per command group, each holding its commands' arguments beside the commands:
 ``build`` (build, ops), ``artifacts`` (artifacts, export-web), ``demos`` (demo, web-demo),
-``train`` (train; its checks of the command line, the data and the model in ``train_checks``);
+``train`` (train; its checks of the command line, the data and the model in ``train_checks``),
+``lora`` (lora: an adapter trained on an onnxruntime-genai model);
 ``common`` holds what they share (the parser, the common options, argument types, file checks).
 This module assembles the parser and runs a command (``main``, the console script's entry point;
 ``python -m gradbuilder.cli`` runs it too).
@@ -28,7 +29,7 @@ import sys
 import warnings
 
 from ..errors import GradBuilderError, InvalidArgumentError, ModelLoadError
-from . import artifacts, build, demos, train
+from . import artifacts, build, demos, lora, train
 from .common import Parser, UsageError, common_options, one_line
 
 # The errors that are the caller's: a name or option that does not fit, an input file that
@@ -66,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
     build.add_ops(sub)
     demos.add_demo(sub)
     train.add_train(sub)
+    lora.add_lora(sub)
     return top
 
 

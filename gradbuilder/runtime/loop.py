@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Callable, Mapping
 
 import numpy as np
@@ -67,7 +68,7 @@ BATCHES_SEEN, DATA_SEED = "batches_seen", "data_seed"
 def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, seed: int = 0,
         loss_name: str | None = None, progress: bool | None = None, stream=None,
         stop: Callable[[], bool] | None = None, checkpoint=None, save_every: int | None = None,
-        keep_last: int = 2, save_in_background: bool = False) -> list[float]:
+        keep_last: int = 2, save_in_background: bool = False, tokens: str | None = None) -> list[float]:
     """Train ``session`` (a TrainingSession) for ``steps`` runs of ``session.run`` on shuffled
     mini-batches of ``data`` (with gradient accumulation, several runs make one update);
     returns the loss of every run. A registered scheduler is stepped after every update. The
@@ -91,7 +92,8 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     each is copied and written from a thread while training goes on (the state's size in
     memory for the copy; on a 2-core CPU it costs more than it saves, as the hashing and the
     writing take the cores the steps use: ``tools/bench_periodic.py``); ``fit`` returns once
-    the last one is written."""
+    the last one is written. ``tokens``: the name of an array of the data (an attention mask)
+    whose non-zero entries count as tokens: the bar shows tokens per second too."""
     from .periodic import CheckpointSeries
 
     loss_name = loss_name or session.loss_name
@@ -108,12 +110,15 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
     missing = [n for n in feed_names if n not in data]
     if missing:
         raise InvalidArgumentError(f"the data has no arrays for the model input(s) {missing}; it has {sorted(data)}")
+    if tokens is not None and tokens not in feed_names:
+        raise InvalidArgumentError(f"tokens: '{tokens}' is not an input of the model; its inputs are {feed_names}")
     stream_of_batches = batches({n: data[n] for n in feed_names}, batch_size, seed, start=done)
     shard, shards = getattr(session, "data_shard", (0, 1))  # (a stand-in session may lack it)
     # The first step builds and compiles the graphs: it gets a bar of its own, and the bar
     # that follows starts after it, so that its rate and time left count the later steps only.
     bar = progress_bar(steps, progress=progress, stream=stream, leave=False, postfix="first step: building the graphs")
     losses: list[float] = []
+    counted, started = 0, None
     try:
         for i in range(steps):
             if stop is not None and stop():
@@ -133,10 +138,13 @@ def fit(session, data: Mapping[str, np.ndarray], steps: int, batch_size: int, se
             if i == 0:
                 bar.close()
                 bar = progress_bar(steps, progress=progress, stream=stream, initial=1)
+                started = time.perf_counter()
             else:
                 bar.update(1)
+                counted += int(np.count_nonzero(batch[tokens])) if tokens else 0
             if not bar.disable:
-                bar.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
+                rate = f", {counted / (time.perf_counter() - started):.0f} tokens/s" if tokens and counted else ""
+                bar.set_postfix_str(f"loss {losses[-1]:.4f}{rate}", refresh=False)
     finally:
         bar.close()
         if series is not None:  # the last periodic checkpoint written; its failure raised unless one is

@@ -1,0 +1,173 @@
+"""LoRA on ONNX decoders (gradbuilder.training.lora, `gradbuilder lora`): the branches compute
+what PEFT's do, the adapter file is the one onnxruntime and onnxruntime-genai load, the merged
+model equals the adapted one, and bad input is a one-line error before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradbuilder.errors import InvalidArgumentError
+from gradbuilder.training.lora import add_lora, lora_layout, lora_parameters, merge_lora, write_adapter
+from gradbuilder.training.loss import append_loss
+
+pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("tokenizers")
+
+from .genai_models import genai_folder  # noqa: E402
+
+CPU = ["CPUExecutionProvider"]
+pytestmark = pytest.mark.filterwarnings("ignore:.*appears in graph inputs")
+
+
+def _quiet():
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return so
+
+
+def _run(model, feeds, outputs=("logits",), run_options=None):
+    data = model.to_bytes() if hasattr(model, "to_bytes") else (
+        model.SerializeToString() if isinstance(model, onnx.ModelProto) else model)
+    sess = ort.InferenceSession(data, _quiet(), providers=CPU)
+    return sess.run(list(outputs), feeds, run_options)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return tmp_path_factory.mktemp("genai")
+
+
+def _feeds(folder: Path, batch=2, seq=7, seed=0):
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(4, 200, (batch, seq)).astype(np.int64)
+    mask = np.ones((batch, seq), np.int64)
+    mask[1:, seq - 2:] = 0  # right padding
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    for layer in range(config["num_hidden_layers"]):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{layer}.{kv}"] = np.zeros(
+                (batch, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
+    return feeds
+
+
+# ------------------------------------------------------------------ the branches
+
+
+def _linear(op="MatMul", trans_b=0, k=6, n=5, opset=18):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    attrs = {"transB": trans_b} if op == "Gemm" else {}
+    node = helper.make_node(op, ["x", "blk.q_proj.weight"], ["y"], name="blk/q_proj/" + op, **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
+                              [numpy_helper.from_array(w, "blk.q_proj.weight")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), w
+
+
+@pytest.mark.parametrize("op,trans_b", [("MatMul", 0), ("Gemm", 0), ("Gemm", 1)])
+def test_a_branch_adds_x_a_b_times_alpha_over_r_and_starts_as_the_base(op, trans_b):
+    model, w = _linear(op, trans_b)
+    lora = add_lora(model, "q_proj", rank=2, alpha=6)
+    x = np.random.default_rng(2).standard_normal((3, 6)).astype(np.float32)
+    base = w.T if trans_b else w
+    np.testing.assert_allclose(_run(lora, {"x": x}, ["y"])[0], x @ base, rtol=1e-6)  # B starts at zero
+    a_name, b_name = lora_parameters(lora)
+    a = numpy_helper.to_array(next(t for t in lora.skeleton.graph.initializer if t.name == a_name))
+    assert a.shape == (6, 2) and np.abs(a).max() <= 1 / np.sqrt(6)  # PEFT's kaiming_uniform(a=sqrt 5) bound
+    b = np.random.default_rng(3).standard_normal((2, 5)).astype(np.float32)
+    got = _run(lora, {"x": x, a_name: a, b_name: b}, ["y"])[0]
+    np.testing.assert_allclose(got, x @ base + (x @ a) @ b * 3.0, rtol=1e-5, atol=1e-6)
+    merged = merge_lora(lora, {a_name: a, b_name: b})
+    assert not lora_parameters_in(merged) and [i.name for i in merged.skeleton.graph.input] == ["x"]
+    np.testing.assert_allclose(_run(merged, {"x": x}, ["y"])[0], got, rtol=1e-5, atol=1e-6)
+
+
+def lora_parameters_in(model) -> list[str]:
+    return [i.name for i in model.skeleton.graph.input if ".lora_" in i.name]
+
+
+def test_the_fused_qkv_projection_is_split_per_target(folders):
+    folder = genai_folder(folders, "llama")
+    lora = add_lora(folder / "model.onnx", ["q_proj", "v_proj"], rank=4, alpha=8)
+    layout = lora_layout(lora)
+    assert layout["scale"] == 2.0
+    first = [b for b in layout["branches"] if ".layers.0." in b["weight"]]
+    # 4 query heads and 2 key/value heads of 16: q is columns 0..64, k 64..96, v 96..128
+    assert [(b["target"], b["start"], b["width"]) for b in first] == [("q_proj", 0, 64), ("v_proj", 96, 32)]
+    assert first[0]["a"] == "model.layers.0.attn.q_proj.lora_A.weight"
+    feeds = _feeds(folder)
+    base = _run(onnx.load(folder / "model.onnx"), feeds)[0]
+    np.testing.assert_array_equal(_run(lora, feeds)[0], base)  # B = 0: the base model exactly
+    # a B on the v columns only leaves the query and key columns alone, and moves the logits
+    values = {n: np.zeros(_shape(lora, n), np.float32) for n in lora_parameters(lora)}
+    values.update({n: _init(lora, n) for n in values if "lora_A" in n})
+    values["model.layers.0.attn.v_proj.lora_B.weight"] = np.full((4, 32), 0.5, np.float32)
+    moved = _run(lora, {**feeds, **values})[0]
+    assert np.abs(moved - base).max() > 1e-3
+    merged = merge_lora(lora, values)
+    np.testing.assert_allclose(_run(merged, feeds)[0], moved, rtol=1e-4, atol=1e-5)
+
+
+def _shape(model, name):
+    return tuple(next(t for t in model.skeleton.graph.initializer if t.name == name).dims)
+
+
+def _init(model, name):
+    return numpy_helper.to_array(next(t for t in model.skeleton.graph.initializer if t.name == name))
+
+
+def test_the_adapter_file_is_the_one_onnxruntime_applies(folders, tmp_path):
+    folder = genai_folder(folders, "llama")
+    lora = add_lora(folder / "model.onnx", "q_proj,v_proj,o_proj", rank=2, alpha=4)
+    rng = np.random.default_rng(4)
+    values = {n: rng.standard_normal(_shape(lora, n)).astype(np.float32) * 0.1 for n in lora_parameters(lora)}
+    path = write_adapter(tmp_path / "a.onnx_adapter", values)
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(path))
+    options = ort.RunOptions()
+    options.add_active_adapter(adapter)
+    feeds = _feeds(folder)
+    np.testing.assert_array_equal(_run(lora, feeds, run_options=options)[0], _run(lora, {**feeds, **values})[0])
+
+
+def test_lora_errors_name_what_is_wrong(folders):
+    folder = genai_folder(folders, "llama")
+    with pytest.raises(InvalidArgumentError, match=r"no MatMul, Gemm or MatMulNBits weight matches \['qproj'\]; "
+                                                   r"the model's projections are .*'o_proj'"):
+        add_lora(folder / "model.onnx", "qproj")
+    with pytest.raises(InvalidArgumentError, match="rank must be an int >= 1, got 0"):
+        add_lora(folder / "model.onnx", "q_proj", rank=0)
+    with pytest.raises(InvalidArgumentError, match="has LoRA branches already"):
+        add_lora(add_lora(folder / "model.onnx", "q_proj"), "v_proj")
+
+
+# ------------------------------------------------------------------ the loss
+
+
+def test_the_causal_lm_loss_is_transformers_shifted_cross_entropy():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((2, 5, 11)).astype(np.float32)
+    labels = rng.integers(0, 11, (2, 5)).astype(np.int64)
+    labels[1, 3:] = -100  # padding
+    labels[0, :2] = -100  # a prompt
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 11])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 11])])
+    model = append_loss(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "causal_lm", "logits",
+                        target_name="labels")
+    got = _run(model.SerializeToString(), {"x": logits, "labels": labels}, ["loss"])[0]
+    t = torch.from_numpy(logits)
+    want = torch.nn.functional.cross_entropy(t[:, :-1].reshape(-1, 11), torch.from_numpy(labels)[:, 1:].reshape(-1),
+                                             ignore_index=-100)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
