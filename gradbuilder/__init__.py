@@ -13,6 +13,10 @@ _PUBLIC = {
     "state_interface": ".training.graph",
     "generate_artifacts": ".training.artifacts",
     "export_model_for_inferencing": ".training.artifacts",
+    "add_lora": ".training.lora",
+    "lora_parameters": ".training.lora",
+    "merge_lora": ".training.lora",
+    "write_adapter": ".training.lora",
     "TrainingSession": ".runtime.session",
     "TrainingIOBinding": ".runtime.session",
     "clear_training_ep_instances": ".runtime.providers",
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
         ProviderError,
         UnsupportedOpError,
     )
+    from .training.lora import add_lora, lora_parameters, merge_lora, write_adapter
     from .training.params import TrainingParameters
     from .runtime.providers import (
         clear_training_ep_instances,
@@ -120,6 +125,10 @@ __all__ = [
     "state_interface",
     "generate_artifacts",
     "export_model_for_inferencing",
+    "add_lora",
+    "lora_parameters",
+    "merge_lora",
+    "write_adapter",
     "TrainingParameters",
     "TrainingSession",
     "TrainingIOBinding",
