@@ -171,3 +171,169 @@ def test_the_causal_lm_loss_is_transformers_shifted_cross_entropy():
     want = torch.nn.functional.cross_entropy(t[:, :-1].reshape(-1, 11), torch.from_numpy(labels)[:, 1:].reshape(-1),
                                              ignore_index=-100)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+
+
+# ------------------------------------------------------------------ against PyTorch + PEFT
+
+
+def _peft_twin(folder_root, arch, lora, targets, rank, alpha):
+    """transformers' model of the same checkpoint with PEFT's LoRA on ``targets``, its A set to
+    the ONNX model's initial A (PEFT keeps A as [r, K]: the transpose), B zero as both start."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from .genai_models import hf_folder
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder(folder_root, arch),
+                                                              attn_implementation="eager")
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                target = name.rsplit(".", 1)[1]
+                a = _init(lora, f"model.layers.{layer}.attn.{target}.lora_A.weight")
+                module.lora_A["default"].weight.copy_(torch.from_numpy(a.T))
+                module.lora_B["default"].weight.zero_()
+    return model
+
+
+def _pairs(model):
+    """{ONNX LoRA input: the PEFT parameter holding it, and whether it is stored transposed}."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            target = name.split(".self_attn.")[1].split(".")[0]
+            which = "lora_A" if "lora_A" in name else "lora_B"
+            out[f"model.layers.{layer}.attn.{target}.{which}.weight"] = p
+    return out
+
+
+def _batch(folder: Path):
+    feeds = _feeds(folder, batch=2, seq=9, seed=7)
+    labels = np.where(feeds["attention_mask"] == 1, feeds["input_ids"], -100)
+    return feeds, labels
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
+def test_gradients_and_steps_equal_pytorch_and_peft(folders, arch):
+    """SGD with lr 1 (the update is the gradient) for the gradients, then AdamW steps: losses
+    and adapters against PEFT on the same float32 weights, initialisation and batch."""
+    torch = pytest.importorskip("torch")
+    from gradbuilder import TrainingParameters, TrainingSession
+    from gradbuilder.training.loaded import LossBlock, load
+
+    folder = genai_folder(folders, arch)
+    targets, rank, alpha = ("q_proj", "v_proj"), 4, 8
+    lora = add_lora(folder / "model.onnx", targets, rank, alpha)
+    feeds, labels = _batch(folder)
+    for optimizer, lr, steps in (("sgd", 1.0, 1), ("adamw", 1e-2, 3)):
+        twin = _peft_twin(folders, arch, lora, targets, rank, alpha)
+        pairs = _pairs(twin)
+        params = TrainingParameters(training_optimizer_name=optimizer, loss_output_name="loss")
+        params.weights_to_train = lora_parameters(lora)
+        session = TrainingSession(load(lora, params, loss=LossBlock("causal_lm", "logits", "labels")), params,
+                                  providers=CPU)
+        session.set_learning_rate(lr)
+        opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(list(pairs.values()), lr=lr)
+        for _ in range(steps):
+            (ours,) = session.run(["loss"], {**feeds, "labels": labels})
+            out = twin(input_ids=torch.from_numpy(feeds["input_ids"]),
+                       attention_mask=torch.from_numpy(feeds["attention_mask"]), labels=torch.from_numpy(labels))
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            np.testing.assert_allclose(ours, out.loss.item(), rtol=2e-5)
+        state = session.get_model_state()["full_precision"]
+        worst = max(np.abs(state[n] - (p.detach().numpy().T)).max() for n, p in pairs.items())
+        largest = max(np.abs(p.detach().numpy()).max() for p in pairs.values())
+        assert worst <= 1e-4 * largest, f"{optimizer}: adapters differ by {worst:.2e} (largest {largest:.2e})"
+
+
+# ------------------------------------------------------------------ the command, end to end
+
+
+def _generate(folder: Path, prefix_ids: list[int], length: int, adapter: Path | None) -> list[int]:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prefix_ids) + length, do_sample=False)
+    generator = og.Generator(model, params)
+    if adapter is not None:
+        adapters = og.Adapters(model)
+        adapters.load(str(adapter), "memorized")
+        generator.set_active_adapter(adapters, "memorized")
+    generator.append_tokens(np.array(prefix_ids, np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return list(generator.get_sequence(0))
+
+
+@pytest.mark.parametrize("arch,precision", [
+    ("llama", "fp32"), ("llama", "int4"),
+    *[pytest.param(a, p, marks=pytest.mark.slow) for a in ("qwen2", "phi3", "gemma") for p in ("fp32", "int4")]])
+def test_an_adapter_trained_by_the_command_makes_genai_generate_the_text(folders, tmp_path, arch, precision):
+    from tokenizers import Tokenizer
+
+    from .genai_models import TEXT
+
+    folder = genai_folder(folders, arch, precision)
+    before = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": TEXT}) + "\n")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "gradbuilder.cli", "lora", str(folder), "--data", str(data),
+                          "--output-dir", str(out), "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                          "--rank", "8", "--alpha", "16", "--steps", "60", "--lr", "1e-2", "--batch-size", "1"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == before  # the model folder untouched
+    assert (out / "adapter.onnx_adapter").is_file() and (out / "genai_config.json").is_file()
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids
+    prefix, rest = ids[:4], ids[4:]
+    with_adapter = _generate(out, prefix, len(rest), out / "adapter.onnx_adapter")
+    without = _generate(out, prefix, len(rest), None)
+    assert with_adapter[len(prefix):len(ids)] == rest
+    assert without[len(prefix):len(ids)] != rest
+
+
+def _mlp(directory: Path) -> Path:
+    model, _ = _linear()
+    onnx.save(model, directory / "mlp.onnx")
+    return directory / "mlp.onnx"
+
+
+def _lora_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "gradbuilder.cli", "lora", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("target", "targets: no MatMul, Gemm or MatMulNBits weight matches ['qq_proj']"),
+    ("rank", "--rank: "),
+    ("text", "line 2: no text"),
+    ("folder", "has no genai_config.json"),
+    ("decoder", "is not a decoder: it needs an input 'input_ids'"),
+    ("inside", "is in the model's folder"),
+])
+def test_bad_input_is_one_line_before_any_training(folders, tmp_path, case, fragment):
+    folder = genai_folder(folders, "llama")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hi there"}) + "\n" + json.dumps({"txt": "oops"} if case == "text"
+                                                                        else {"text": "ok"}) + "\n")
+    args = {"target": [folder, "--data", data, "--output-dir", tmp_path / "o", "--targets", "qq_proj"],
+            "rank": [folder, "--data", data, "--output-dir", tmp_path / "o", "--rank", "0"],
+            "text": [folder, "--data", data, "--output-dir", tmp_path / "o"],
+            "folder": [tmp_path, "--data", data, "--output-dir", tmp_path / "o"],
+            "decoder": [_mlp(tmp_path), "--tokenizer", folder / "tokenizer.json", "--data", data,
+                        "--output-dir", tmp_path / "o"],
+            "inside": [folder, "--data", data, "--output-dir", folder / "out"]}[case]
+    run = _lora_cli(*args)
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0], run.stderr
+    assert not (tmp_path / "o").exists() and not (folder / "out").exists()

@@ -58,6 +58,10 @@ def _cmd_lora(args) -> int:
     rows = _read_data(args.data)
     import numpy as np
 
+    from ..compiler import modelio
+
+    _check_decoder(modelio.load_proto(str(model_file), external=False), model_file)
+
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -73,7 +77,6 @@ def _cmd_lora(args) -> int:
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     data = _tokenized(rows, tokenizer, args.max_length, config)
     lora = add_lora(model_file, args.targets, args.rank, args.alpha, seed=args.seed)
-    _check_decoder(lora.skeleton, model_file)
     if args.merge:
         _check_mergeable(lora.skeleton)
     data.update(_empty_past(lora.skeleton, config, len(data["input_ids"])))
@@ -126,10 +129,12 @@ def _check_output(args, folder, model_file) -> Path:
     from .. import files
 
     out = files.check_output_directory(args.output_dir, InvalidArgumentError, "--output-dir").resolve()
-    source = (folder or model_file.parent).resolve()
-    if out == source or source in out.parents:
+    if folder is not None and (out == folder.resolve() or folder.resolve() in out.parents):
         raise InvalidArgumentError(f"--output-dir '{args.output_dir}' is in the model's folder; nothing in it is "
                                    "changed: choose another directory")
+    if folder is None and out == model_file.parent.resolve():
+        raise InvalidArgumentError(f"--output-dir '{args.output_dir}' holds the model, which would be written over: "
+                                   "choose another directory")
     return out
 
 
