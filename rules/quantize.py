@@ -10,7 +10,7 @@ gradient. x_scale, and the zero point with it, is one value per group of x's ele
 x (a scalar scale), one slice along ``axis`` (a 1-D scale), or one run of ``block_size``
 elements along ``axis`` (a scale of x's rank, the last block possibly short). So
 
-    d x_scale[g] = sum over the group g of dy * (x - zp) = S(dy * x) - zp * S(dy)
+    d x_scale[g] = sum over the group g of dy * (x - zp) = S(dy * x) - zp[g] * S(dy)
 
 with S the sum over each group; the zero point never needs broadcasting. The gradient is
 computed in x_scale's type (``output_dtype``, opset 21+, may give y another float type).
