@@ -40,6 +40,8 @@ Rule modules (the op types each registers):
 * ``contrib``: the com.microsoft fusions (Gelu FastGelu BiasGelu QuickGelu FusedMatMul
   SkipLayerNormalization SkipSimplifiedLayerNormalization SimplifiedLayerNormalization BiasAdd
   BiasSoftmax)
+* ``contrib_attention``: the com.microsoft attention ops of onnxruntime-genai's model builder and
+  onnxruntime's transformer optimizer (GroupQueryAttention RotaryEmbedding MultiHeadAttention)
 * ``ml``: the ai.onnx.ml ops with a float path
 * ``training_ops``: Adagrad Momentum Adam (ai.onnx.preview.training)
 
