@@ -151,7 +151,7 @@ def matmul_nbits(n, dys, needs, e):
             raise GradientRuleError(
                 f"MatMulNBits input {_NBITS_INPUTS[i]} ('{n.inputs[i].name}') is part of a quantized "
                 "weight, which cannot be trained: freeze it and train a LoRA adapter on it instead "
-                "(`gradbuilder lora`, or gradbuilder.lora in Python)"
+                "(`gradbuilder lora`, or gradbuilder.add_lora in Python)"
             )
     (dy,) = dys[:1]
     grads = [None] * len(n.inputs)
