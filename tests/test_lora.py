@@ -195,7 +195,7 @@ def _peft_twin(folder_root, arch, lora, targets, rank, alpha):
                 layer = int(name.split(".layers.")[1].split(".")[0])
                 target = name.rsplit(".", 1)[1]
                 a = _init(lora, f"model.layers.{layer}.attn.{target}.lora_A.weight")
-                module.lora_A["default"].weight.copy_(torch.from_numpy(a.T))
+                module.lora_A["default"].weight.copy_(torch.from_numpy(np.array(a.T)))
                 module.lora_B["default"].weight.zero_()
     return model
 
