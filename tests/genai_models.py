@@ -28,25 +28,29 @@ def _tokenizer(vocab_size: int = 300):
     return tok
 
 
-def _config(arch: str, vocab: int):
+def _config(arch: str, vocab: int, sizes: dict):
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    common.update(sizes)
     if arch == "llama":
         return tf.LlamaConfig(**common), tf.LlamaForCausalLM
     if arch == "qwen2":
         return tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
     if arch == "phi3":
-        return tf.Phi3Config(**common, original_max_position_embeddings=128), tf.Phi3ForCausalLM
+        return tf.Phi3Config(**common, original_max_position_embeddings=common["max_position_embeddings"]), \
+            tf.Phi3ForCausalLM
     if arch == "gemma":
-        return tf.GemmaConfig(**common, head_dim=16), tf.GemmaForCausalLM
+        return tf.GemmaConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"]), \
+            tf.GemmaForCausalLM
     raise ValueError(arch)
 
 
-def hf_folder(directory: Path, arch: str, seed: int = 0) -> Path:
-    """A transformers checkpoint of ``arch`` with random weights and the test tokenizer."""
+def hf_folder(directory: Path, arch: str, seed: int = 0, **sizes) -> Path:
+    """A transformers checkpoint of ``arch`` with random weights and the test tokenizer;
+    ``sizes`` override the config's (hidden_size, num_hidden_layers, vocab_size, ...)."""
     import torch
     from transformers import PreTrainedTokenizerFast
 
@@ -54,7 +58,7 @@ def hf_folder(directory: Path, arch: str, seed: int = 0) -> Path:
     if (out / "config.json").is_file():
         return out
     tok = _tokenizer()
-    config, cls = _config(arch, tok.get_vocab_size())
+    config, cls = _config(arch, tok.get_vocab_size(), sizes)
     torch.manual_seed(seed)
     cls(config).save_pretrained(out)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
@@ -62,12 +66,12 @@ def hf_folder(directory: Path, arch: str, seed: int = 0) -> Path:
     return out
 
 
-def genai_folder(directory: Path, arch: str, precision: str = "fp32") -> Path:
+def genai_folder(directory: Path, arch: str, precision: str = "fp32", **sizes) -> Path:
     """onnxruntime-genai's model folder of ``arch`` (its builder run on :func:`hf_folder`)."""
     out = Path(directory) / f"{arch}-{precision}"
     if (out / "genai_config.json").is_file():
         return out
-    hf = hf_folder(directory, arch)
+    hf = hf_folder(directory, arch, **sizes)
     run = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
                           "-p", precision, "-e", "cpu", "-c", str(Path(directory) / "cache")],
                          capture_output=True, text=True, timeout=600)
