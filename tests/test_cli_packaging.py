@@ -15,6 +15,7 @@ import pytest
 
 import gradbuilder
 from gradbuilder.cli import main
+from gradbuilder.errors import InvalidArgumentError
 from gradbuilder.runtime.loop import fit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,3 +130,16 @@ def test_notices_on_stderr_follow_verbosity(tmp_path, capsys):
     assert out.startswith("loss ") and err == ""
     assert main(["-q"] + argv + ["--lr", "0.1", "--resume", str(tmp_path / "d.npz")]) == 2  # a usage error
     assert capsys.readouterr().err.startswith("gradbuilder: error: --resume ")
+
+
+def test_progress_counts_the_tokens_of_an_attention_mask():
+    stream = io.StringIO()
+    mask = np.zeros((64, 2))
+    mask[:, 0] = 1  # one token of two in every row
+    fit(_Session(), {"x": mask}, 20, 4, progress=True, stream=stream, tokens="x")
+    final = stream.getvalue().rsplit("\r", 1)[-1]
+    steps = float(re.search(r"([\d.]+) steps/s", final).group(1))
+    tokens = float(re.search(r"loss 0\.0500, ([\d.]+) tokens/s", final).group(1))
+    assert 2 <= tokens / steps <= 6  # 4 tokens a step (rates rounded, taken a moment apart)
+    with pytest.raises(InvalidArgumentError, match="tokens: 'mask' is not an input of the model"):
+        fit(_Session(), {"x": mask}, 2, 4, tokens="mask")
