@@ -617,3 +617,48 @@ def test_mha_refuses(rng):
     qk.graph.node.insert(1, helper.make_node("ReduceSum", ["qk"], ["qk_s"], keepdims=0))
     with pytest.raises(GradientRuleError, match="'qk'"):
         grads_of(qk, ["q", "k", "v"])
+
+
+# ----------------------------------------------------------------------------- a model builder decoder
+
+
+def test_model_builder_decoder_against_transformers(tmp_path):
+    """onnxruntime-genai's builder output for a tiny Llama (packed QKV into GroupQueryAttention
+    with rotary, a right-padded batch): the gradient of the first layer's QKV weight equals
+    transformers' float64 autograd gradient of the same checkpoint."""
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("tokenizers")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from ..genai_models import genai_folder, hf_folder
+
+    folder = genai_folder(tmp_path, "llama")
+    model = onnx.load(str(folder / "model.onnx"))
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, 200, (B, 7)).astype(np.int64)
+    mask = np.ones((B, 7), np.int64)
+    mask[1, 4:] = 0
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    for layer in range(config["num_hidden_layers"]):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{layer}.{kv}"] = np.zeros(
+                (B, config["num_key_value_heads"], 0, config["head_size"]), f32)
+    proj = (rng.standard_normal((B, 7, 1)) * mask[:, :, None]).astype(f32)  # padded positions left out
+    model.graph.initializer.append(numpy_helper.from_array(proj, "proj"))
+    model.graph.node.extend([helper.make_node("Mul", ["logits", "proj"], ["projected"]),
+                             helper.make_node("ReduceSum", ["projected"], ["loss"], keepdims=0)])
+    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    weight = "model.layers.0.attn.qkv_proj.MatMul.weight"
+    assert any(n.op_type == "GroupQueryAttention" and n.domain == MS for n in model.graph.node)
+    got = ort_run(grads_of(model, [weight]), feeds)[f"{weight}_grad"]
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_folder(tmp_path, "llama"), dtype=torch.float64,
+                                                           attn_implementation="eager")
+    logits = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+    (logits * torch.tensor(proj, dtype=torch.float64)).sum().backward()
+    attn = hf.model.layers[0].self_attn
+    expected = torch.cat([p.weight.grad.T for p in (attn.q_proj, attn.k_proj, attn.v_proj)], 1).numpy()
+    close(got, expected, 1e-4, 1e-6)
