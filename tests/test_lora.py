@@ -338,3 +338,68 @@ def test_bad_input_is_one_line_before_any_training(folders, tmp_path, case, frag
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0], run.stderr
     assert not (tmp_path / "o").exists() and not (folder / "out").exists()
+
+
+# ------------------------------------------------------------------ in JavaScript
+
+
+def test_node_trains_the_same_adapter_as_python(folders, tmp_path):
+    """export_web's artifacts of the LoRA model, trained by gradbuilder-train.mjs's Trainer on
+    onnxruntime-node (tests/web/lora_train.mjs), give the losses and adapter that
+    `gradbuilder lora`'s TrainingSession gives on the same initial state and batches: int64
+    tokens, labels, and the zero-length past inputs fed as they are."""
+    from safetensors.numpy import load_file
+
+    from gradbuilder import TrainingSession
+    from gradbuilder.cli.lora import _loaded
+    from gradbuilder.training.web import export_web, safetensors_bytes
+
+    from .test_web import ROOT, need_node
+
+    need_node()
+    steps, lr = 5, 1e-2
+    folder = genai_folder(folders, "llama")
+    lora = add_lora(folder / "model.onnx", "q_proj,v_proj", rank=4, alpha=8)
+    names = lora_parameters(lora)
+    batches = []
+    for i in range(steps):
+        feeds = _feeds(folder, batch=2, seq=9, seed=10 + i)
+        batches.append({**feeds, "labels": np.where(feeds["attention_mask"] == 1, feeds["input_ids"], -100)})
+    # each input with a leading step axis; the past inputs [steps, 2, 2, 0, 16] hold no bytes
+    (tmp_path / "batches.safetensors").write_bytes(
+        safetensors_bytes({k: np.stack([b[k] for b in batches]) for k in batches[0]}))
+    web = tmp_path / "web"
+    # the training of `gradbuilder lora`: AdamW, the gradients clipped to a global norm of 1
+    export_web(lora, web, loss="causal_lm", loss_output="logits", target_name="labels", requires_grad=names,
+               optimizer="adamw", lr=lr, max_grad_norm=1.0)
+    run = subprocess.run(["node", str(ROOT / "tests" / "web" / "lora_train.mjs"), str(web),
+                          str(tmp_path / "batches.safetensors"), str(tmp_path / "trained.safetensors"),
+                          str(tmp_path / "losses.json"), "--threads", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    node = json.loads((tmp_path / "losses.json").read_text())
+    assert node["step"] == steps and node["skipped"] == 0
+
+    params, loaded = _loaded(lora, names)
+    so = _quiet()
+    so.intra_op_num_threads = 1
+    session = TrainingSession(loaded, params, so, providers=CPU)
+    session.set_learning_rate(lr)
+    losses = [float(session.run(["loss"], b)[0]) for b in batches]
+    np.testing.assert_allclose(node["losses"], losses, rtol=1e-5)
+    state = session.get_model_state()["full_precision"]
+    trained = load_file(tmp_path / "trained.safetensors")
+    initial = load_file(web / "state.safetensors")
+    for name in names:
+        want, got = state[name], trained[name]
+        worst, largest = np.abs(got - want).max(), np.abs(want).max()
+        assert largest > 0 and worst <= 1e-4 * largest, f"{name}: {worst:.2e} off (largest {largest:.2e})"
+        assert np.abs(want - initial[name]).max() > 1e-3  # trained: every tensor moved
+    for w, moments in session.get_optimizer_state().items():
+        for s, v in moments.items():
+            if w != "shared_optimizer_state":
+                np.testing.assert_allclose(trained[f"{w}.{s}"], v, rtol=1e-4, atol=1e-9, err_msg=f"{w}.{s}")
+    # the model the Trainer exports for inference computes the base with Python's adapter
+    feeds = _feeds(folder, seed=3)
+    np.testing.assert_allclose(_run(str(web / "trained" / "inference_model.onnx"), feeds)[0],
+                               _run(lora, {**feeds, **{n: state[n] for n in names}})[0], rtol=1e-4, atol=1e-5)

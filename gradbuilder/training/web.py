@@ -8,8 +8,9 @@
   weights and running statistics as inputs without initializers (the state file holds them);
 - ``eval_model.onnx``: the forward in inference form, reading the same state inputs;
 - ``inference_model.onnx`` and ``inference_model.onnx.data``: the model for inference, its
-  initializers in the data file (ONNX external data) at offsets the manifest lists, so that a
-  program writes the trained weights into a copy of the data file without an ONNX writer;
+  initializers in the data file (ONNX external data; those under 1 KiB that are not trained stay
+  in the model) at offsets the manifest lists, so that a program writes the trained weights
+  into a copy of the data file without an ONNX writer;
 - ``state.safetensors``: the initial state (weights, optimizer states, ``Step``, running
   statistics): safetensors, a JSON header and raw little-endian tensors, read in a few lines;
 - ``manifest.json``: what each graph reads and returns, the state pairs, the loss, the
@@ -39,6 +40,8 @@ from ..compiler.detached import DetachedModel
 FORMAT = "gradbuilder-web/1"
 NAMES = ("training_model.onnx", "eval_model.onnx", "inference_model.onnx", "inference_model.onnx.data",
          "state.safetensors", "manifest.json")
+# untrained initializers smaller than this stay in the inference model (onnx's size_threshold)
+INLINE_BYTES = 1024
 # the element types gradbuilder-train.mjs reads from safetensors and gives onnxruntime's Tensor
 JS_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 
@@ -50,8 +53,11 @@ def export_web(model, directory: str | os.PathLike, *, loss: str | None = None, 
                allow_inference_export: bool = False) -> dict[str, str]:
     """Write the JavaScript training artifacts of ``model`` (bytes, path or ModelProto, never
     modified) into ``directory`` (see the module docstring); returns {name: path}. ``loss``
-    appends a loss block (crossentropy, nll, mse, l1, bcewithlogits) to ``loss_output``
-    reading the new input ``target_name``; without it the model's first output is the loss.
+    appends a loss block (crossentropy, nll, mse, l1, bcewithlogits, causal_lm) to
+    ``loss_output`` reading the new input ``target_name``; without it the model's first output
+    is the loss. Graph inputs with initializer defaults that are trained (``add_lora``'s
+    adapter) become state like the other weights; a decoder's int64 and zero-length
+    past-key/value inputs are fed as they are.
     ``lr`` is the learning rate the manifest starts with. Nothing is written unless every
     artifact builds. A PyTorch export optimized for inference is refused unless
     ``allow_inference_export``."""
@@ -141,13 +147,15 @@ def _signature(proto: onnx.ModelProto, given: set[str]) -> dict:
 
 
 def _inference(source: DetachedModel, keep: list[str], model_path, data_path, trained: set[str]) -> dict:
-    """The inference model with every initializer in one external data file; the manifest's
-    entry: the data file's name and where each trained tensor lies in it."""
+    """The inference model with its initializers in one external data file (but the small
+    untrained ones, as onnx's external-data writer keeps them); the manifest's entry: the data
+    file's name and where each trained tensor lies in it."""
     from .artifacts import inference_model
 
     detached = inference_model(source, keep)
-    detached.check()
     model = detached.skeleton
+    modelio._drop_wrong_constant_shapes(model.graph)  # onnxruntime-genai's, as the training build does
+    detached.check()
     compat.stamp_lowest_ir_version(model)
     data_name = "inference_model.onnx.data"
     tensors, offset = [], 0
@@ -155,6 +163,8 @@ def _inference(source: DetachedModel, keep: list[str], model_path, data_path, tr
         for t in model.graph.initializer:
             value = detached.weights[t.name] if t.name in detached.weights else numpy_helper.to_array(t)
             raw = value.astype(value.dtype.newbyteorder("<")).tobytes()
+            if t.name not in trained and t.name not in detached.weights and len(raw) < INLINE_BYTES:
+                continue  # in the model: onnxruntime reads shape operands (a Pad's pads) while it loads
             pad = (-offset) % 64  # aligned, as onnx's external-data writer aligns large tensors
             data.write(b"\0" * pad)
             offset += pad
@@ -170,8 +180,9 @@ def _inference(source: DetachedModel, keep: list[str], model_path, data_path, tr
                 t.ClearField(field)
             offset += len(raw)
     onnx.save(model, model_path)
-    return {"model": "inference_model.onnx", "data": data_name, "outputs": keep, "tensors": tensors,
-            "inputs": _signature(model, set())["inputs"]}
+    # what a program feeds: not the inputs with initializer defaults (add_lora's, their trained values in the data file)
+    inputs = _signature(model, {t.name for t in model.graph.initializer})["inputs"]
+    return {"model": "inference_model.onnx", "data": data_name, "outputs": keep, "tensors": tensors, "inputs": inputs}
 
 
 def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
