@@ -293,8 +293,8 @@ def group_query_attention(n, dys, needs, e):
         q5, k5 = _unpair(e, turn(e.Concat(q5, k5, axis=2), s), g)
 
     past_k, past_v = optional_input(n, _PAST_K), optional_input(n, _PAST_V)
-    past_k5 = _empty_past(e, past_k) if past_k is not None else None
-    past_v5 = _empty_past(e, past_v) if past_v is not None else None
+    past_k5 = cast_to(e, _empty_past(e, past_k), ct) if past_k is not None else None
+    past_v5 = cast_to(e, _empty_past(e, past_v), ct) if past_v is not None else None
     key5 = e.Concat(past_k5, k5, axis=3) if past_k5 is not None else k5  # present_key, (B, Hkv, 1, T, D)
     val5 = e.Concat(past_v5, v5, axis=3) if past_v5 is not None else v5
 
@@ -460,8 +460,13 @@ def _check_mha(n, dys):
         raise refuse("packed QKV in query (key and value absent)", "give query, key and value separately")
     for i in (0, 1, 2):
         d = dims_of(n.inputs[i])
-        if d is None or len(d) != 3:
-            raise refuse(f"input {i} '{_MHA_NAMES[i]}' of rank {None if d is None else len(d)}",
+        if d is None:
+            raise GradientRuleError(
+                f"MultiHeadAttention gradient needs the rank of input {i} '{_MHA_NAMES[i]}', which shape inference "
+                "left unknown (onnx infers no com.microsoft op; give the model's values shapes, e.g. with "
+                "onnxruntime's symbolic shape inference)")
+        if len(d) != 3:
+            raise refuse(f"input {i} '{_MHA_NAMES[i]}' of rank {len(d)}",
                          "only the 3-D (batch, sequence, hidden) form is differentiated: no packed QKV / KV, "
                          "no key and value given as a BNSH past")
     if len(dys) > 3 and dys[3] is not None:
@@ -530,8 +535,8 @@ def multi_head_attention(n, dys, needs, e):
         bq, bk, bv = (e.Slice(b, vec(e, edges[i]), vec(e, edges[i + 1]), e.ints([0])) for i in range(3))
         qx, kx, vx = qx + bq, kx + bk, vx + bv
     q5, k5, v5 = (_to_heads(e, x, heads, 1) for x in (qx, kx, vx))
-    past_k5 = _empty_past(e, past_k) if past_k is not None else None
-    past_v5 = _empty_past(e, past_v) if past_v is not None else None
+    past_k5 = cast_to(e, _empty_past(e, past_k), ct) if past_k is not None else None
+    past_v5 = cast_to(e, _empty_past(e, past_v), ct) if past_v is not None else None
     key5 = e.Concat(past_k5, k5, axis=3) if past_k5 is not None else k5
     val5 = e.Concat(past_v5, v5, axis=3) if past_v5 is not None else v5
 

@@ -385,6 +385,34 @@ def test_gqa_padded_rows_in_the_loss(rng):
     check(gqa_case(rng, padded_rows_in_loss=True, lengths=(1, 3), present_in_loss=True))
 
 
+def _float16(model):
+    """``model`` with its float32 inputs, initializers and loss in float16."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for v in list(out.graph.input) + list(out.graph.output):
+        if v.type.tensor_type.elem_type == TensorProto.FLOAT:
+            v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for i, t in enumerate(out.graph.initializer):
+        if t.data_type == TensorProto.FLOAT:
+            half = numpy_helper.to_array(t).astype(np.float16)
+            out.graph.initializer[i].CopyFrom(numpy_helper.from_array(half, t.name))
+    return out
+
+
+@pytest.mark.parametrize("name", ["packed", "present-in-loss-separate", "head-sink"])
+def test_gqa_float16(name, rng):
+    """The float16 model (the backward computed in float32, its gradients cast back) agrees
+    with the float64 gradient at float16 precision."""
+    case = gqa_case(rng, **GQA_CASES[name])
+    expected = gradcheck(case.standard_model(), list(case.weights), "loss", case.weights, max_elements=2,
+                         directions=0).gradients
+    feeds = {k: v.astype(np.float16) if v.dtype == f32 else v for k, v in case.feeds.items()}
+    got = ort_run(grads_of(_float16(case.contrib_model()), list(case.weights)), feeds)
+    for w in case.weights:
+        assert got[f"{w}_grad"].dtype == np.float16
+        close(got[f"{w}_grad"], expected[w], 3e-2, 3e-2)
+
+
 def test_gqa_cpu_kernel_forms(rng):
     """What the kernel accepts, pinning the forms the cases use: head sizes are multiples of 16,
     and the rotary cache width a multiple of 8 (partial rotary)."""
@@ -617,6 +645,11 @@ def test_mha_refuses(rng):
     qk.graph.node.insert(1, helper.make_node("ReduceSum", ["qk"], ["qk_s"], keepdims=0))
     with pytest.raises(GradientRuleError, match="'qk'"):
         grads_of(qk, ["q", "k", "v"])
+    bnsh = mha_case(rng).contrib_model()  # key and value given as (B, H, T, D)
+    for v in bnsh.graph.input[1:3]:
+        v.type.tensor_type.shape.dim.insert(1, onnx.TensorShapeProto.Dimension(dim_value=2))
+    with pytest.raises(GradientRuleError, match="'key' of rank 4"):
+        grads_of(bnsh, ["q"])
 
 
 # ----------------------------------------------------------------------------- a model builder decoder
