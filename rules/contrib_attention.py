@@ -348,7 +348,7 @@ def group_query_attention(n, dys, needs, e):
         if needs[_Q] and (d_q5 is not None or d_k5 is not None or d_v5 is not None):
             grads[_Q] = cast_to(e, e.Concat(flat(d_q5, q5), flat(d_k5, k5), flat(d_v5, v5), axis=-1), q.dtype)
     else:
-        for i, d5, like5, x in ((_Q, d_q5, q5, q), (_K, d_k5, k5, k), (_V, d_v5, v5, v)):
+        for i, d5, x in ((_Q, d_q5, q), (_K, d_k5, k), (_V, d_v5, v)):
             if needs[i] and d5 is not None:
                 grads[i] = cast_to(e, _from_heads(e, d5), x.dtype)
     for i, past in ((_PAST_K, past_k), (_PAST_V, past_v)):
