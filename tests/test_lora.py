@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder.errors import InvalidArgumentError
-from gradbuilder.training.lora import add_lora, lora_layout, lora_parameters, merge_lora, write_adapter
+from gradbuilder.training.lora import add_lora, for_training, lora_layout, lora_parameters, merge_lora, write_adapter
 from gradbuilder.training.loss import append_loss
 
 pytest.importorskip("onnxruntime_genai")
@@ -223,8 +223,7 @@ def test_gradients_and_steps_equal_pytorch_and_peft(folders, arch):
     """SGD with lr 1 (the update is the gradient) for the gradients, then AdamW steps: losses
     and adapters against PEFT on the same float32 weights, initialisation and batch."""
     torch = pytest.importorskip("torch")
-    from gradbuilder import TrainingParameters, TrainingSession
-    from gradbuilder.training.loaded import LossBlock, load
+    from gradbuilder import TrainingSession
 
     folder = genai_folder(folders, arch)
     targets, rank, alpha = ("q_proj", "v_proj"), 4, 8
@@ -233,10 +232,8 @@ def test_gradients_and_steps_equal_pytorch_and_peft(folders, arch):
     for optimizer, lr, steps in (("sgd", 1.0, 1), ("adamw", 1e-2, 3)):
         twin = _peft_twin(folders, arch, lora, targets, rank, alpha)
         pairs = _pairs(twin)
-        params = TrainingParameters(training_optimizer_name=optimizer, loss_output_name="loss")
-        params.weights_to_train = lora_parameters(lora)
-        session = TrainingSession(load(lora, params, loss=LossBlock("causal_lm", "logits", "labels")), params,
-                                  providers=CPU)
+        params, loaded = for_training(lora, optimizer)
+        session = TrainingSession(loaded, params, providers=CPU)
         session.set_learning_rate(lr)
         opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(list(pairs.values()), lr=lr)
         for _ in range(steps):
@@ -351,7 +348,6 @@ def test_node_trains_the_same_adapter_as_python(folders, tmp_path):
     from safetensors.numpy import load_file
 
     from gradbuilder import TrainingSession
-    from gradbuilder.cli.lora import _loaded
     from gradbuilder.training.web import export_web, safetensors_bytes
 
     from .test_web import ROOT, need_node
@@ -380,7 +376,7 @@ def test_node_trains_the_same_adapter_as_python(folders, tmp_path):
     node = json.loads((tmp_path / "losses.json").read_text())
     assert node["step"] == steps and node["skipped"] == 0
 
-    params, loaded = _loaded(lora, names)
+    params, loaded = for_training(lora)
     so = _quiet()
     so.intra_op_num_threads = 1
     session = TrainingSession(loaded, params, so, providers=CPU)

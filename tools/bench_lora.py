@@ -99,17 +99,15 @@ class Ours:
     def __init__(self, model_file: Path, args):
         import onnxruntime as ort
 
-        from gradbuilder import TrainingParameters, TrainingSession, add_lora, lora_parameters
-        from gradbuilder.training.loaded import LossBlock, load
+        from gradbuilder import TrainingSession, add_lora
+        from gradbuilder.training.lora import for_training
 
         self.lora = add_lora(model_file, TARGETS, args.rank, 2 * args.rank)
-        params = TrainingParameters(training_optimizer_name="adamw", loss_output_name="loss")
-        params.weights_to_train = lora_parameters(self.lora)
+        params, loaded = for_training(self.lora)
         so = ort.SessionOptions()
         so.intra_op_num_threads = args.threads
         so.log_severity_level = 3
-        self.session = TrainingSession(load(self.lora, params, loss=LossBlock("causal_lm", "logits", "labels")),
-                                       params, sess_options=so, providers=["CPUExecutionProvider"])
+        self.session = TrainingSession(loaded, params, sess_options=so, providers=["CPUExecutionProvider"])
         self.session.set_learning_rate(1e-4)
         self.batch = None
 

@@ -72,7 +72,7 @@ def _cmd_lora(args) -> int:
 
     from ..runtime.loop import fit
     from ..runtime.session import TrainingSession
-    from ..training.lora import add_lora, lora_parameters, merge_lora, write_adapter
+    from ..training.lora import add_lora, for_training, merge_lora, write_adapter
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     data = _tokenized(rows, tokenizer, args.max_length, config)
@@ -80,7 +80,7 @@ def _cmd_lora(args) -> int:
     if args.merge:
         _check_mergeable(lora.skeleton)
     data.update(_empty_past(lora.skeleton, config, len(data["input_ids"])))
-    params, loaded = _loaded(lora, lora_parameters(lora))
+    params, loaded = for_training(lora)
     steps = args.steps or math.ceil(len(data["input_ids"]) / args.batch_size) * (args.epochs or 1)
     session = TrainingSession(loaded, params, providers=["CPUExecutionProvider"])
     del loaded
@@ -237,17 +237,6 @@ def _empty_past(proto, config: dict, rows: int) -> dict:
                                        "and the model folder's genai_config.json does not give it")
         out[i.name] = np.zeros(shape, helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
     return out
-
-
-def _loaded(lora, parameters: list[str]):
-    """TrainingParameters training the LoRA inputs only, and the model loaded with the
-    causal-LM loss on its logits."""
-    from ..training.loaded import LossBlock, load
-    from ..training.params import TrainingParameters
-
-    params = TrainingParameters(training_optimizer_name="adamw", loss_output_name="loss")
-    params.weights_to_train = parameters
-    return params, load(lora, params, loss=LossBlock("causal_lm", "logits", "labels"))
 
 
 # ------------------------------------------------------------------ the outputs

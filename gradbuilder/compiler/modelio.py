@@ -291,7 +291,7 @@ def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
     _fill_default_axes(proto.graph)
-    _drop_wrong_constant_shapes(proto.graph)
+    drop_wrong_constant_shapes(proto.graph)
     try:
         infer_types(proto)
     except Exception as exc:
@@ -299,7 +299,7 @@ def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
     return proto
 
 
-def _drop_wrong_constant_shapes(graph: onnx.GraphProto) -> None:
+def drop_wrong_constant_shapes(graph: onnx.GraphProto) -> None:
     """Forget a declared shape of a Constant's output that its value contradicts (onnxruntime-
     genai's builder declares its [1] constants as rank 0): the value is the shape, and the
     wrong one would fail strict inference."""

@@ -13,7 +13,8 @@ the fine-tuned model. A fused projection (onnxruntime-genai's ``qkv_proj``, Phi-
 
 :func:`add_lora` returns the transformed model (a ``DetachedModel``: usable with
 GradientGraphBuilder, TrainingSession and generate_artifacts like any model);
-:func:`lora_parameters` names its LoRA inputs; :func:`write_adapter` writes trained values as
+:func:`lora_parameters` names its LoRA inputs; :func:`for_training` loads it with the
+causal-LM loss, its LoRA inputs the only weights; :func:`write_adapter` writes trained values as
 an ``.onnx_adapter``; :func:`merge_lora` folds them into a float base's weights.
 """
 
@@ -33,7 +34,7 @@ from ..compiler import modelio
 from ..compiler.detached import DetachedModel
 from ..errors import InvalidArgumentError
 
-__all__ = ["add_lora", "lora_parameters", "lora_layout", "merge_lora", "write_adapter"]
+__all__ = ["add_lora", "for_training", "lora_parameters", "lora_layout", "merge_lora", "write_adapter"]
 
 METADATA_KEY = "gradbuilder.lora"  # the transformed model's record of its branches (JSON)
 _LINEAR = {("", "MatMul"), ("ai.onnx", "MatMul"), ("", "Gemm"), ("ai.onnx", "Gemm"),
@@ -94,6 +95,18 @@ def lora_layout(model) -> dict:
         if p.key == METADATA_KEY:
             return json.loads(p.value)
     raise InvalidArgumentError("the model has no LoRA branches: make it with gradbuilder.add_lora")
+
+
+def for_training(model, optimizer: str = "adamw"):
+    """(TrainingParameters training the LoRA inputs of ``model`` only, with ``optimizer``;
+    ``model`` loaded with the causal-LM loss of its ``logits`` against a new input ``labels``):
+    what ``gradbuilder lora`` trains, ready for ``TrainingSession(loaded, params)``."""
+    from .loaded import LossBlock, load
+    from .params import TrainingParameters
+
+    params = TrainingParameters(training_optimizer_name=optimizer, loss_output_name="loss")
+    params.weights_to_train = lora_parameters(model)
+    return params, load(model, params, loss=LossBlock("causal_lm", "logits", "labels"))
 
 
 def lora_parameters(model) -> list[str]:

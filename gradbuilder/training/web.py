@@ -154,7 +154,7 @@ def _inference(source: DetachedModel, keep: list[str], model_path, data_path, tr
 
     detached = inference_model(source, keep)
     model = detached.skeleton
-    modelio._drop_wrong_constant_shapes(model.graph)  # onnxruntime-genai's, as the training build does
+    modelio.drop_wrong_constant_shapes(model.graph)  # onnxruntime-genai's, as the training build does
     detached.check()
     compat.stamp_lowest_ir_version(model)
     data_name = "inference_model.onnx.data"
