@@ -98,3 +98,38 @@ def test_mixed_precision_float16_follows_float32(encoder, tmp_path):
     resumed.load_checkpoint(path)
     x, y = batches[0]
     np.testing.assert_allclose(resumed.run(["loss"], {"x": x, "y": y}), sess.run(["loss"], {"x": x, "y": y}))
+
+
+def test_frozen_parameters_stay_out_of_the_graphs_bytes_and_can_be_replaced(tmp_path):
+    """A large frozen parameter is given to onnxruntime as an external initializer: no graph's
+    bytes hold it (one copy in the session, one in onnxruntime), the step computes with it,
+    and a new value given to the session is the one the next step uses."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal((256, 256)).astype(np.float32)  # 256 KiB
+    w = rng.standard_normal((256, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "F"], ["h"]), helper.make_node("MatMul", ["h", "W"], ["y"]),
+             helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 256])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(frozen, "F"), numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    params = TrainingParameters(loss_output_name="loss", training_optimizer_name="sgd", weights_not_to_train={"F"})
+    for threads in (1, 2, 16):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        sess = TrainingSession(model.SerializeToString(), params, so, providers=CPU)
+        sess.set_learning_rate(0.0)
+        x = rng.standard_normal((3, 256)).astype(np.float32)
+        (loss,) = sess.run(["loss"], {"x": x})
+        np.testing.assert_allclose(loss, np.sum((x @ frozen @ w) ** 2), rtol=1e-4)
+        assert len(sess.graphs.serialized("step")) < frozen.nbytes // 4
+        assert list(sess.graphs.externals("step")) == ["F"]
+        other = frozen * 0.5
+        sess.load_state({"F": other})
+        (loss,) = sess.run(["loss"], {"x": x})
+        np.testing.assert_allclose(loss, np.sum((x @ other @ w) ** 2), rtol=1e-4)
+        path = sess.export_model_for_inferencing(str(tmp_path / f"m{threads}.onnx"), ["loss"])
+        got = ort.InferenceSession(path, providers=CPU).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, loss, rtol=1e-5)

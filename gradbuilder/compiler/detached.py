@@ -13,6 +13,7 @@ from .. import files
 from ..errors import OutputError
 
 TWO_GB = 2**31
+IN_MEMORY = "gradbuilder-in-memory"  # the location of a tensor given to onnxruntime as an OrtValue
 
 
 class DetachedModel:
@@ -57,6 +58,22 @@ class DetachedModel:
             initializer = _field(_INITIALIZER, len(tensor) + raw.size)
             yield _field(_GRAPH, len(initializer) + len(tensor) + raw.size) + initializer + tensor
             yield memoryview(raw)
+
+    def in_memory(self) -> tuple[bytes, dict[str, np.ndarray]]:
+        """(the model serialized with each detached tensor an external-data reference to
+        ``IN_MEMORY``, those tensors): onnxruntime takes the arrays through
+        ``SessionOptions.add_external_initializers`` in place of the references, so the bytes
+        never hold the weights."""
+        head, big = self._split()
+        for meta in big:
+            for field in ("raw_data", "float_data", "double_data", "int32_data", "int64_data"):
+                meta.ClearField(field)
+            meta.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", IN_MEMORY), ("offset", "0"), ("length", str(self.weights[meta.name].nbytes))):
+                entry = meta.external_data.add()
+                entry.key, entry.value = key, value
+        head.graph.initializer.extend(big)
+        return head.SerializeToString(), dict(self.weights)
 
     def to_bytes(self) -> bytes:
         if self.byte_size() >= TWO_GB:

@@ -13,6 +13,7 @@ from typing import Sequence
 import onnx
 
 from ..compiler import modelio
+from ..compiler.detached import DetachedModel
 from ..interface import updated
 from ..training.graph import StepGradientsBuilder, TrainingGraphBuilder, eval_model, optimizer_only_model
 from . import providers as _providers
@@ -67,6 +68,7 @@ class GraphCache:
         self._facts, self._builder, self._sess_options = facts, builder, sess_options
         self._providers, self._provider_options, self._device = providers, provider_options, device
         self._built: dict[Kind, bytes] = {}  # kind -> serialized graph (independent of providers)
+        self._externals: dict[Kind, dict] = {}  # kind -> the arrays its serialized graph refers to
         self._compiled: dict[Kind, CompiledGraph] = {}  # kind -> its compiled graph
         self._in_place: dict[Kind, frozenset[str]] = {}  # kind -> its state updated in place
         self._owned: list[str] | None = None  # the weights the optimizer graph updates; None: all
@@ -101,16 +103,19 @@ class GraphCache:
             provider_options = None
             if self.captured and kind is Kind.STEP:
                 provider_options = _providers.with_cuda_graph(self._providers, self._provider_options)
-            self._compiled[kind] = self.compile(self.serialized(kind), options, disabled, provider_options)
+            self._compiled[kind] = self.compile(self.serialized(kind), options, disabled, provider_options,
+                                                self.externals(kind))
         return self._compiled[kind]
 
     def compile(self, model: bytes, sess_options=None, disabled_optimizers: Sequence[str] = (),
-                provider_options: Sequence[dict] | None = None) -> CompiledGraph:
+                provider_options: Sequence[dict] | None = None, externals: dict | None = None) -> CompiledGraph:
         """``model`` (serialized) compiled for the current providers, with the session's
-        options (or ``sess_options``) and provider options (or ``provider_options``)."""
+        options (or ``sess_options``) and provider options (or ``provider_options``);
+        ``externals``: the arrays of its tensors held in memory (``DetachedModel.in_memory``)."""
         options = self._sess_options if sess_options is None else sess_options
         provider_options = self._provider_options if provider_options is None else provider_options
-        return compile_graph(model, options, self._providers, provider_options, self._device, disabled_optimizers)
+        return compile_graph(model, options, self._providers, provider_options, self._device, disabled_optimizers,
+                             externals)
 
     def serialized(self, kind: str) -> bytes:
         """Graph ``kind`` as bytes, built on first use."""
@@ -124,26 +129,37 @@ class GraphCache:
         return self._built.get(Kind(kind))
 
     def _build(self, kind: Kind) -> bytes:
+        """Graph ``kind`` serialized, its large constants (the frozen parameters') left to
+        onnxruntime as external initializers (``externals(kind)``)."""
         b, facts = self._builder, self._facts
         if kind is Kind.STEP:
             b.input_shapes = self.step_shapes
             try:
-                proto = b.build().model_proto
+                built = b.build().built_model()
             finally:
                 b.input_shapes = {}
         elif kind in (Kind.GRADIENTS, Kind.ACCUMULATE):
-            proto = StepGradientsBuilder(b, facts.outputs, accumulate=kind is Kind.ACCUMULATE).build().model_proto
+            built = StepGradientsBuilder(b, facts.outputs, accumulate=kind is Kind.ACCUMULATE).build().built_model()
         elif kind is Kind.OPTIMIZER:
             specs = facts.specs if self._owned is None else {w: facts.specs[w] for w in self._owned}
             per_weight = {w: o for w, o in b.per_weight_options.items() if w in specs}
-            proto = optimizer_only_model(specs, b.optimizer, b.optimizer_options, b.max_grad_norm,
-                                         per_weight=per_weight, partial=self._owned is not None)
+            built = DetachedModel(optimizer_only_model(specs, b.optimizer, b.optimizer_options, b.max_grad_norm,
+                                                       per_weight=per_weight, partial=self._owned is not None), {})
         elif kind is Kind.EVAL:
-            proto = eval_model(facts.model)
+            built = facts.detached(eval_model(facts.model))
         else:
             raise AssertionError(kind)
-        modelio.weights_as_inputs(proto, facts.state)
-        return proto.SerializeToString()
+        skeleton = onnx.ModelProto()
+        skeleton.CopyFrom(built.skeleton)
+        modelio.weights_as_inputs(skeleton, facts.state)
+        serialized, self._externals[kind] = DetachedModel(skeleton, built.weights).in_memory()
+        return serialized
+
+    def externals(self, kind: str) -> dict:
+        """{name: array} of graph ``kind``'s large constants, which its serialized form only
+        refers to (``DetachedModel.in_memory``)."""
+        self.serialized(kind)
+        return self._externals[Kind(kind)]
 
     def in_place(self, kind: str) -> frozenset[str]:
         """The state inputs ``X`` of graph ``kind`` whose output ``X.updated`` may be written
@@ -171,6 +187,7 @@ class GraphCache:
     def clear(self) -> None:
         """Forget every graph: the model's constants changed."""
         self._built.clear()
+        self._externals.clear()
         self._compiled.clear()
         self._in_place.clear()
 

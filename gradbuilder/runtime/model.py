@@ -12,6 +12,7 @@ from typing import Mapping
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from ..compiler import modelio
 from ..errors import InvalidArgumentError
@@ -27,7 +28,8 @@ class ModelFacts:
     """The session's model and what it holds, derived once (:meth:`derive`).
 
     ``model``: the session's own copy; its weights and running statistics are graph inputs
-    (their values live in the state only), its frozen parameters initializers. ``weights``
+    (their values live in the state only), its frozen parameters initializers, the values of
+    the large ones in ``constants`` (their initializers in ``model`` hold no data). ``weights``
     (trained), ``buffers`` (running statistics: updated by training, not trained), ``frozen``
     (float initializers not trained), ``loss``, ``outputs`` (a step's: the model's, the loss
     first), ``inputs`` (the ones the caller feeds), ``specs`` (weight -> a zero-strided array of
@@ -45,10 +47,12 @@ class ModelFacts:
     specs: Mapping[str, np.ndarray]
     labels: Mapping[str, tuple[int | None, int | None, str]]
     identity: Identity
+    constants: dict[str, np.ndarray]
 
     @classmethod
     def derive(cls, model: onnx.ModelProto, builder, buffers: list[str], frozen: list[str],
-               values: Mapping[str, np.ndarray]) -> tuple["ModelFacts", dict[str, np.ndarray]]:
+               values: Mapping[str, np.ndarray], constants: dict[str, np.ndarray]
+               ) -> tuple["ModelFacts", dict[str, np.ndarray]]:
         """The facts of ``model`` (:func:`read_model`'s) trained by ``builder``, checked (the
         loss is a value of the model, every weight has a value), and the initial state: the
         optimizer's and ``values``."""
@@ -61,7 +65,7 @@ class ModelFacts:
         facts = cls(model=model, weights=weights, buffers=buffers, frozen=frozen, loss=loss,
                     outputs=output_names(model, loss), inputs=[i.name for i in model.graph.input if i.name not in fed],
                     specs={w: np.broadcast_to(np.zeros((), values[w].dtype), values[w].shape) for w in weights},
-                    labels=labels, identity=Identity.of(weights, initial, builder.optimizer))
+                    labels=labels, identity=Identity.of(weights, initial, builder.optimizer), constants=constants)
         return facts, initial
 
     @property
@@ -70,21 +74,34 @@ class ModelFacts:
         return self.weights + self.buffers
 
     def frozen_initializers(self) -> dict[str, onnx.TensorProto]:
-        """{name: its initializer} of the frozen parameters (the graphs hold their values)."""
+        """{name: its initializer} of the frozen parameters (the graphs hold their values;
+        those in ``constants`` hold dtype and shape only)."""
         return {t.name: t for t in self.model.graph.initializer if t.name in self.frozen}
+
+    def frozen_value(self, name: str) -> np.ndarray:
+        """The value of frozen parameter ``name``."""
+        if name in self.constants:
+            return self.constants[name]
+        return numpy_helper.to_array(self.frozen_initializers()[name])
+
+    def detached(self, model: onnx.ModelProto | None = None) -> DetachedModel:
+        """``model`` (default: the session's) with the constants' values."""
+        return DetachedModel(self.model if model is None else model, self.constants)
 
 
 def read_model(loaded: LoadedModel):
     """The session's own model from ``loaded`` (:func:`training.loaded.load`'s): (model,
-    frozen). The weights' and running statistics' values stay in ``loaded.values`` and leave
-    the model, which keeps them as graph inputs of their types; frozen parameters stay its
-    initializers (their large values written back in)."""
+    frozen, constants). The weights' and running statistics' values stay in ``loaded.values``
+    and leave the model, which keeps them as graph inputs of their types; frozen parameters
+    stay its initializers, the large ones' values apart in ``constants`` (onnxruntime gets
+    them as external initializers: no graph's bytes ever hold them)."""
     state = set(loaded.values)
-    frozen_large = {k: v for k, v in loaded.large.items() if k not in state}
-    model = DetachedModel(loaded.proto, frozen_large).to_proto()  # frozen parameters: constants of the graphs
+    model = onnx.ModelProto()
+    model.CopyFrom(loaded.proto)
+    constants = {k: v for k, v in loaded.large.items() if k not in state}
     frozen = loaded.frozen
     modelio.weights_as_inputs(model, list(loaded.values))  # their values live in the state only
-    return model, frozen
+    return model, frozen, constants
 
 
 def output_names(model: onnx.ModelProto, loss: str) -> list[str]:

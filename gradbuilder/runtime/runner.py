@@ -176,9 +176,10 @@ SLOWER_FUSIONS = ("SkipLayerNormFusion",)
 
 
 def compile_graph(model: bytes, sess_options, providers, provider_options, device: tuple[str, int],
-                  disabled_optimizers: Sequence[str] = ()) -> CompiledGraph:
+                  disabled_optimizers: Sequence[str] = (), externals: dict | None = None) -> CompiledGraph:
     """``model`` (serialized) loaded by onnxruntime, one session per model and configuration
-    (``providers.cached_session``), without the SLOWER_FUSIONS."""
+    (``providers.cached_session``), without the SLOWER_FUSIONS; ``externals``: the arrays of
+    the tensors it refers to in memory."""
     disabled = sorted(set(disabled_optimizers) | set(SLOWER_FUSIONS))
-    session = _providers.cached_session(model, sess_options, providers, provider_options, disabled)
+    session = _providers.cached_session(model, sess_options, providers, provider_options, disabled, externals)
     return CompiledGraph(session, device)

@@ -73,10 +73,12 @@ class TrainingSession:
         if params.loss_output_name and loaded.loss != params.loss_output_name:
             raise InvalidArgumentError(f"the loaded model's loss is '{loaded.loss}' but TrainingParameters."
                                        f"loss_output_name is '{params.loss_output_name}'; load it with these parameters")
-        model, frozen = read_model(loaded)
-        self._builder = from_parameters(model, params, outputs=output_names(model, params.loss_output_name),
+        model, frozen, constants = read_model(loaded)
+        source = DetachedModel(model, constants)  # its dict of constants is the facts': one place to change them
+        self._builder = from_parameters(source, params, outputs=output_names(model, params.loss_output_name),
                                         weights=loaded.weights, warn_about_model=False)  # load said it
-        self._facts, initial = ModelFacts.derive(model, self._builder, loaded.buffers, frozen, loaded.values)
+        self._facts, initial = ModelFacts.derive(model, self._builder, loaded.buffers, frozen, loaded.values,
+                                                 source.weights)
         del loaded
         self._sess_options = sess_options or _default_session_options()
         if params.deterministic_compute:  # onnxruntime's own choices too (CUDA's convolution algorithms)
@@ -268,7 +270,7 @@ class TrainingSession:
     def _parameter_values(self, trainable_only: bool) -> dict[str, np.ndarray]:
         values = {w: self._state.array(w) for w in self.weights}
         if not trainable_only:
-            values.update({n: numpy_helper.to_array(t) for n, t in self._facts.frozen_initializers().items()})
+            values.update({n: self._facts.frozen_value(n) for n in self._facts.frozen_initializers()})
         return values
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
@@ -317,8 +319,8 @@ class TrainingSession:
         for n, v in values.items():  # the initializers' types; their values stay apart
             proto.graph.initializer.append(onnx.TensorProto(name=n, dims=v.shape,
                                                             data_type=onnx.helper.np_dtype_to_tensor_dtype(v.dtype)))
-        return export_model_for_inferencing(DetachedModel(proto, values), inference_model_uri,
-                                            graph_output_names)
+        return export_model_for_inferencing(DetachedModel(proto, {**self._facts.constants, **values}),
+                                            inference_model_uri, graph_output_names)
 
     # ------------------------------------------------------------------ state
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict:
@@ -400,7 +402,11 @@ class TrainingSession:
         specs.update({n: self._state.spec(n) for n in values if n not in frozen})
         checked = self._state.checked(values, specs)
         for name in [n for n in checked if n in frozen]:
-            frozen[name].CopyFrom(numpy_helper.from_array(checked.pop(name), name))
+            value = checked.pop(name)
+            if name in self._facts.constants:  # the builder's model shares the dict
+                self._facts.constants[name] = value
+            else:
+                frozen[name].CopyFrom(numpy_helper.from_array(value, name))
             self._graphs.clear()  # the graphs hold the frozen values
         self._state.set(checked, owned=owned)
 

@@ -228,8 +228,7 @@ class PipelineParallel(DataParallel):
 def _with_weights(facts) -> onnx.ModelProto:
     """The session's model with its weights as initializers the cuts place (dtype and shape
     only: their values stay in the state)."""
-    whole = onnx.ModelProto()
-    whole.CopyFrom(facts.model)
+    whole = facts.detached().to_proto()  # the large frozen parameters' values written in
     specs = facts.specs
     whole.graph.initializer.extend(onnx.TensorProto(name=w, dims=specs[w].shape,
                                                     data_type=onnx.helper.np_dtype_to_tensor_dtype(specs[w].dtype))

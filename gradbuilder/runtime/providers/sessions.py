@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import onnxruntime as ort
 
 from ...errors import InvalidArgumentError
@@ -74,6 +75,7 @@ _CONFIG_KEYS = (
 )
 
 _sessions: dict[tuple, ort.InferenceSession] = {}
+_held: dict[tuple, tuple] = {}  # key -> the arrays its ids name, alive as long as the entry (no id reused)
 
 
 def _options_fingerprint(sess_options) -> tuple:
@@ -116,8 +118,11 @@ def options_with(sess_options, **settings) -> ort.SessionOptions:
 
 
 def cached_session(model_bytes: bytes, sess_options, providers, provider_options,
-                   disabled_optimizers: Sequence[str] = ()) -> ort.InferenceSession:
+                   disabled_optimizers: Sequence[str] = (), externals: dict | None = None) -> ort.InferenceSession:
     """One ``InferenceSession`` per model and configuration, reused across calls.
+    ``externals``: {name: array} of the tensors ``model_bytes`` refers to in memory
+    (``DetachedModel.in_memory``), given as external initializers (the arrays themselves are
+    part of the key: another array of the same name is another session).
 
     The key is the sha256 of ``model_bytes``, the providers, their options, the
     SessionOptions settings that can be read back (see ``_options_fingerprint``) and the
@@ -141,7 +146,12 @@ def cached_session(model_bytes: bytes, sess_options, providers, provider_options
         )
 
     def create():
-        kwargs = {} if sess_options is None else {"sess_options": sess_options}
+        options = sess_options
+        if externals:  # on a copy: the caller's options stay as they were
+            options = options_with(sess_options)
+            options.add_external_initializers(list(externals), [ort.OrtValue.ortvalue_from_numpy(
+                np.ascontiguousarray(a)) for a in externals.values()])
+        kwargs = {} if options is None else {"sess_options": options}
         if disabled_optimizers:
             kwargs["disabled_optimizers"] = list(disabled_optimizers)
         return ort.InferenceSession(
@@ -156,11 +166,13 @@ def cached_session(model_bytes: bytes, sess_options, providers, provider_options
         tuple(tuple(sorted((str(k), str(v)) for k, v in o.items())) for o in provider_options),
         _options_fingerprint(sess_options),
         tuple(sorted(disabled_optimizers)),
+        tuple((name, id(array)) for name, array in (externals or {}).items()),
     )
     with lock:
         session = _sessions.get(key)
         if session is None:
             session = _sessions[key] = create()
+            _held[key] = tuple((externals or {}).values())
         return session
 
 
@@ -168,6 +180,7 @@ def clear_training_ep_instances() -> None:
     """Forget every cached session (they are freed once nothing else holds them)."""
     with lock:
         _sessions.clear()
+        _held.clear()
 
 
 def cached_count() -> int:
@@ -181,3 +194,4 @@ def drop_sessions_of(names) -> None:
     with lock:
         for key in [k for k in _sessions if set(names).intersection(k[1])]:
             del _sessions[key]
+            _held.pop(key, None)
