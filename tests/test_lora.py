@@ -317,6 +317,7 @@ def _lora_cli(*argv):
     ("folder", "has no genai_config.json"),
     ("decoder", "is not a decoder: it needs an input 'input_ids'"),
     ("inside", "is in the model's folder"),
+    ("merge-int4", "--merge: the model's weights are quantized (MatMulNBits)"),
 ])
 def test_bad_input_is_one_line_before_any_training(folders, tmp_path, case, fragment):
     folder = genai_folder(folders, "llama")
@@ -329,7 +330,9 @@ def test_bad_input_is_one_line_before_any_training(folders, tmp_path, case, frag
             "folder": [tmp_path, "--data", data, "--output-dir", tmp_path / "o"],
             "decoder": [_mlp(tmp_path), "--tokenizer", folder / "tokenizer.json", "--data", data,
                         "--output-dir", tmp_path / "o"],
-            "inside": [folder, "--data", data, "--output-dir", folder / "out"]}[case]
+            "inside": [folder, "--data", data, "--output-dir", folder / "out"],
+            "merge-int4": [genai_folder(folders, "llama", "int4"), "--data", data, "--output-dir", tmp_path / "o",
+                           "--merge"]}[case]
     run = _lora_cli(*args)
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
@@ -399,3 +402,25 @@ def test_node_trains_the_same_adapter_as_python(folders, tmp_path):
     feeds = _feeds(folder, seed=3)
     np.testing.assert_allclose(_run(str(web / "trained" / "inference_model.onnx"), feeds)[0],
                                _run(lora, {**feeds, **{n: state[n] for n in names}})[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_lora_model_makes_training_artifacts_like_any_model(folders, tmp_path):
+    """generate_artifacts of add_lora's model: the LoRA inputs are the only weights, and the
+    training model the artifacts describe runs on stock onnxruntime and moves them."""
+    from safetensors.numpy import load_file
+
+    from gradbuilder import generate_artifacts
+
+    folder = genai_folder(folders, "llama", "int4")
+    lora = add_lora(folder / "model.onnx", "q_proj,v_proj", rank=2, alpha=4)
+    names = lora_parameters(lora)
+    paths = generate_artifacts(lora, requires_grad=names, loss="causal_lm", loss_output="logits",
+                               target_name="labels", optimizer="sgd", artifact_directory=tmp_path / "art")
+    checkpoint = load_file(paths["checkpoint.safetensors"])
+    assert sorted(n for n in checkpoint if n != "Step") == sorted(names)
+    training = ort.InferenceSession(paths["training_model.onnx"], _quiet(), providers=CPU)
+    feeds, labels = _batch(folder)
+    grads = dict(zip([o.name for o in training.get_outputs()],
+                     training.run(None, {**feeds, "labels": labels, **{n: checkpoint[n] for n in names}})))
+    b_grads = [grads[f"{n}_grad"] for n in names if "lora_B" in n]
+    assert b_grads and all(np.abs(g).max() > 0 for g in b_grads)  # B starts at zero; its gradient does not
