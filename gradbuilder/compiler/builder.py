@@ -244,12 +244,12 @@ class GradientGraphBuilder:
                     f"weight '{name}' is computed by node '{v.producer().name}' "
                     f"({v.producer().op_type}); weights must be initializers, graph inputs or float Constant outputs"
                 )
-            quantized = next((u for u, i in v.uses() if u.op_type == "MatMulNBits" and i > 0), None)
-            if quantized is not None:
+            quantized = next((u for u, i in v.uses() if u.op_type == "MatMulNBits" and i in (1, 2, 3)), None)
+            if quantized is not None:  # its packed weight, scales or zero points (its bias trains)
+                node = f"MatMulNBits node '{quantized.name}'" if quantized.name else "a MatMulNBits node"
                 raise InvalidArgumentError(
-                    f"weight '{name}' is part of the quantized weight of MatMulNBits node '{quantized.name}', which "
-                    "cannot be trained: freeze it and train a LoRA adapter on it instead (gradbuilder lora, or "
-                    "gradbuilder.add_lora in Python)")
+                    f"weight '{name}' is part of the quantized weight of {node}, which cannot be trained: freeze it "
+                    "and train a LoRA adapter on it instead (gradbuilder lora, or gradbuilder.add_lora in Python)")
             if v.dtype not in FLOAT_TYPES:
                 raise InvalidArgumentError(
                     f"weight '{name}' has type {v.dtype.name if v.dtype else 'unknown'}; only float16, "
