@@ -51,7 +51,7 @@ def arr(rng, *shape, lo=-1.5, hi=1.5):
 # ----------------------------------------------------------------------------- standard formulations
 
 
-class _Nodes:
+class Nodes:
     """Collects standard-ONNX nodes (valid at opsets 13..23) with fresh value names."""
 
     def __init__(self, dtype, prefix="std"):
@@ -94,7 +94,7 @@ def _perm(rank, trans, trans_batch):
 def standard(op, ins, outs, attrs, shapes, dtype):
     """Standard-ONNX nodes computing ``op``'s outputs ``outs`` (names, "" for absent) from the
     value names ``ins`` ("" for absent) whose shapes are ``shapes``."""
-    b = _Nodes(dtype)
+    b = Nodes(dtype)
     present = [i for i in ins if i]
     out = {}
     if op == "Gelu":

@@ -36,7 +36,7 @@ from gradbuilder import GradientRuleError
 from gradbuilder.testing import gradcheck, ort_session, reference_evaluator, to_float64
 from gradbuilder.testing.ort_runs import racing_nodes
 
-from .test_contrib import MS, close, grads_of, ort_run
+from .test_contrib import MS, Nodes, close, grads_of, ort_run
 
 pytestmark = pytest.mark.filterwarnings("ignore:these weights do not reach the loss")
 
@@ -46,27 +46,6 @@ B = 2
 
 def arr(rng, *shape, lo=-1.5, hi=1.5):
     return rng.uniform(lo, hi, shape).astype(f32)
-
-
-class Nodes:
-    """Collects standard-ONNX nodes (opset 17) with fresh value names; constants in ``dtype``
-    unless told otherwise."""
-
-    def __init__(self, dtype):
-        self.nodes, self.dtype, self.k = [], np.dtype(dtype), 0
-
-    def __call__(self, op, *ins, out=None, **attrs):
-        self.k += 1
-        out = out or f"std_{op}_{self.k}"
-        self.nodes.append(helper.make_node(op, list(ins), [out], **attrs))
-        return out
-
-    def const(self, value, dtype=None):
-        self.k += 1
-        name = f"std_c{self.k}"
-        t = numpy_helper.from_array(np.asarray(value, dtype=dtype or self.dtype), name)
-        self.nodes.append(helper.make_node("Constant", [], [name], value=t))
-        return name
 
 
 # ----------------------------------------------------------------------------- rotation matrices
