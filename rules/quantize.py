@@ -173,21 +173,43 @@ def matmul_nbits(n, dys, needs, e):
     b, scales, zp = n.inputs[1], n.inputs[2], optional_input(n, 3)
     blocks = -(-K // block)
     empty = e.Slice(e.Reshape(dy, [-1]), e.ints([0]), e.ints([0]))  # read B, scales, zp through run_time
+    dy = e.CastLike(dy, scales)
+    rows = max(1, min(N, CHUNK_ELEMENTS // (blocks * block)))  # rows of W dequantized at a time
+    for start in range(0, N, rows):  # dA = sum over row chunks c of dY[..., c] @ W[c]
+        stop = min(N, start + rows)
+        w = _dequantized_rows(e, b, scales, zp, start, stop, N, K, bits, block, empty)
+        part = (e.Slice(dy, e.ints([start]), e.ints([stop]), e.ints([-1])) if (start, stop) != (0, N) else dy) @ w
+        grads[0] = part if grads[0] is None else grads[0] + part
+    return grads
 
-    def codes(packed):  # the values packed in ``packed``'s bytes, flat
-        return unpack_bits(e, e.Reshape(run_time(e, packed, empty), [-1]), bits)
 
-    scale = e.Reshape(run_time(e, scales, empty), [N, blocks, 1])
-    q = e.CastLike(e.Reshape(codes(b), [N, blocks, block]), scale)
+# a layer's float weight is made this many elements at a time (64 MiB in float32): the
+# backward of a large projection (an LLM's vocabulary) never holds the whole of it
+CHUNK_ELEMENTS = 2**24
+
+
+def _dequantized_rows(e, b, scales, zp, start: int, stop: int, N: int, K: int, bits: int, block: int, empty):
+    """W[start:stop] = (q - zp) * scales per block of K, as float [stop - start, K], from rows
+    ``start:stop`` of B, the scales and the zero points (read through ``run_time``)."""
+    blocks, rows = -(-K // block), stop - start
+
+    def own_rows(x, per_row):  # rows start:stop of ``x`` seen as [N, per_row]
+        x = e.Reshape(run_time(e, x, empty), [N, per_row])
+        return x if (start, stop) == (0, N) else e.Slice(x, e.ints([start]), e.ints([stop]), e.ints([0]))
+
+    def codes(packed, per_row):  # the values packed in rows start:stop, flat
+        return unpack_bits(e, e.Reshape(own_rows(packed, per_row), [-1]), bits)
+
+    scale = e.Reshape(own_rows(scales, blocks), [rows, blocks, 1])
+    q = e.CastLike(e.Reshape(codes(b, -(-blocks * block * bits // 8)), [rows, blocks, block]), scale)
     if zp is None:
         zero = float(2 ** (bits - 1))
     elif zp.dtype == ir.DataType.UINT8:  # packed like B, whole bytes per row of N
-        per_row = e.Reshape(codes(zp), [N, -1])
-        zero = e.CastLike(e.Reshape(e.Slice(per_row, e.ints([0]), e.ints([blocks]), e.ints([1])), [N, blocks, 1]), q)
+        per_row = e.Reshape(codes(zp, -(-blocks * bits // 8)), [rows, -1])
+        zero = e.CastLike(e.Reshape(e.Slice(per_row, e.ints([0]), e.ints([blocks]), e.ints([1])), [rows, blocks, 1]), q)
     else:  # float, one per block
-        zero = e.Reshape(run_time(e, zp, empty), [N, blocks, 1])
-    w = e.Reshape((q - zero) * scale, [N, blocks * block])
+        zero = e.Reshape(own_rows(zp, blocks), [rows, blocks, 1])
+    w = e.Reshape((q - zero) * scale, [rows, blocks * block])
     if blocks * block != K:  # drop the padding of the last block
         w = e.Slice(w, e.ints([0]), e.ints([K]), e.ints([1]))
-    grads[0] = e.CastLike(dy, w) @ w
-    return grads
+    return w

@@ -432,3 +432,15 @@ def test_backward_holds_no_float_copy_of_the_weight(tmp_path):
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"A": A})))
     want = proj.astype(np.float64) @ dequantize(B, scales, zp, K=K, N=N, bits=bits, block_size=block)
     np.testing.assert_allclose(out["A_grad"], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("zero_points,padded,rank", [(None, True, 3), ("uint8", True, 2), ("float", False, 3)])
+def test_the_weight_is_dequantized_a_few_rows_at_a_time(zero_points, padded, rank, monkeypatch):
+    """A large projection's backward makes its float weight in row chunks (dA summed over
+    them): with chunks of 3 rows of the 20 (the last one short), the gradient is the same."""
+    from gradbuilder.rules import quantize
+
+    block = 32
+    K = 2 * block + (7 if padded else 0)
+    monkeypatch.setattr(quantize, "CHUNK_ELEMENTS", 3 * (-(-K // block)) * block)
+    test_gradient(4, zero_points, block, padded, rank, True, False, 2)
