@@ -183,9 +183,9 @@ def matmul_nbits(n, dys, needs, e):
     return grads
 
 
-# a layer's float weight is made this many elements at a time (64 MiB in float32): the
+# a layer's float weight is made this many elements at a time (16 MiB in float32): the
 # backward of a large projection (an LLM's vocabulary) never holds the whole of it
-CHUNK_ELEMENTS = 2**24
+CHUNK_ELEMENTS = 2**22
 
 
 def _dequantized_rows(e, b, scales, zp, start: int, stop: int, N: int, K: int, bits: int, block: int, empty):
