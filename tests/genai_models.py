@@ -77,3 +77,33 @@ def genai_folder(directory: Path, arch: str, precision: str = "fp32", **sizes) -
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return out
+
+
+def onnx_lora_name(peft_name: str) -> str:
+    """The LoRA input ``add_lora`` names for a PEFT parameter of these models
+    (``...layers.3.self_attn.q_proj.lora_A.default.weight`` -> ``model.layers.3.attn.q_proj.lora_A.weight``)."""
+    layer = int(peft_name.split(".layers.")[1].split(".")[0])
+    target = peft_name.split(".self_attn.")[1].split(".")[0]
+    which = "lora_A" if ".lora_A." in peft_name else "lora_B"
+    return f"model.layers.{layer}.attn.{target}.{which}.weight"
+
+
+def peft_model(hf: Path, a_values: dict, targets, rank: int, alpha: float, **from_pretrained):
+    """transformers' model of the checkpoint ``hf`` with PEFT's LoRA on ``targets``, each A the
+    ONNX model's (``a_values``: {its LoRA input: [K, r]}; PEFT keeps A as [r, K]), B zero, as
+    both start."""
+    import numpy as np
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, **from_pretrained)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                                       lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                p.copy_(torch.from_numpy(np.array(a_values[onnx_lora_name(name)].T)))
+            elif ".lora_B." in name:
+                p.zero_()
+    return model

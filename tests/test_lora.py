@@ -177,39 +177,19 @@ def test_the_causal_lm_loss_is_transformers_shifted_cross_entropy():
 
 
 def _peft_twin(folder_root, arch, lora, targets, rank, alpha):
-    """transformers' model of the same checkpoint with PEFT's LoRA on ``targets``, its A set to
-    the ONNX model's initial A (PEFT keeps A as [r, K]: the transpose), B zero as both start."""
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    import transformers
+    """PyTorch + PEFT on the checkpoint the ONNX model was built from, with its initial A."""
+    pytest.importorskip("peft")
+    from .genai_models import hf_folder, peft_model
 
-    from .genai_models import hf_folder
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder(folder_root, arch),
-                                                              attn_implementation="eager")
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
-                layer = int(name.split(".layers.")[1].split(".")[0])
-                target = name.rsplit(".", 1)[1]
-                a = _init(lora, f"model.layers.{layer}.attn.{target}.lora_A.weight")
-                module.lora_A["default"].weight.copy_(torch.from_numpy(np.array(a.T)))
-                module.lora_B["default"].weight.zero_()
-    return model
+    a_values = {n: _init(lora, n) for n in lora_parameters(lora) if ".lora_A." in n}
+    return peft_model(hf_folder(folder_root, arch), a_values, targets, rank, alpha, attn_implementation="eager")
 
 
 def _pairs(model):
-    """{ONNX LoRA input: the PEFT parameter holding it, and whether it is stored transposed}."""
-    out = {}
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            layer = int(name.split(".layers.")[1].split(".")[0])
-            target = name.split(".self_attn.")[1].split(".")[0]
-            which = "lora_A" if "lora_A" in name else "lora_B"
-            out[f"model.layers.{layer}.attn.{target}.{which}.weight"] = p
-    return out
+    """{ONNX LoRA input: the PEFT parameter holding it (transposed)}."""
+    from .genai_models import onnx_lora_name
+
+    return {onnx_lora_name(name): p for name, p in model.named_parameters() if ".lora_" in name}
 
 
 def _batch(folder: Path):

@@ -62,20 +62,12 @@ def _batch(args, config: dict) -> dict:
 
 class Peft:
     def __init__(self, hf: Path, a_values: dict, args):
-        import peft
         import torch
-        import transformers
+
+        from tests.genai_models import peft_model
 
         torch.set_num_threads(args.threads)
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf)
-        self.model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
-                                                                target_modules=list(TARGETS), lora_dropout=0.0))
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if "lora_A" in name:
-                    layer = int(name.split(".layers.")[1].split(".")[0])
-                    target = name.split(".self_attn.")[1].split(".")[0]
-                    p.copy_(torch.from_numpy(np.array(a_values[f"model.layers.{layer}.attn.{target}.lora_A.weight"].T)))
+        self.model = peft_model(hf, a_values, TARGETS, args.rank, 2 * args.rank)
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
         self.batch = None
 

@@ -60,7 +60,11 @@ def _cmd_lora(args) -> int:
 
     from ..compiler import modelio
 
-    _check_decoder(modelio.load_proto(str(model_file), external=False), model_file)
+    base = modelio.load_proto(str(model_file), external=False)  # names only
+    _check_decoder(base, model_file)
+    if args.merge:
+        _check_mergeable(base)
+    del base
 
     try:
         from tokenizers import Tokenizer
@@ -72,13 +76,11 @@ def _cmd_lora(args) -> int:
 
     from ..runtime.loop import fit
     from ..runtime.session import TrainingSession
-    from ..training.lora import add_lora, for_training, merge_lora, write_adapter
+    from ..training.lora import add_lora, for_training
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     data = _tokenized(rows, tokenizer, args.max_length, config)
     lora = add_lora(model_file, args.targets, args.rank, args.alpha, seed=args.seed)
-    if args.merge:
-        _check_mergeable(lora.skeleton)
     data.update(_empty_past(lora.skeleton, config, len(data["input_ids"])))
     params, loaded = for_training(lora)
     steps = args.steps or math.ceil(len(data["input_ids"]) / args.batch_size) * (args.epochs or 1)
@@ -90,7 +92,7 @@ def _cmd_lora(args) -> int:
     losses = fit(session, data, steps, args.batch_size, seed=args.seed, progress=progress(args),
                  tokens="attention_mask")
     values = session.get_model_state()["full_precision"]
-    _write(out, folder, model_file, lora, values, merge_lora if args.merge else None, write_adapter)
+    _write(out, folder, model_file, lora, values, args.merge)
     log.info("loss %.4f -> %.4f; wrote %s", losses[0], float(np.mean(losses[-max(1, len(losses) // 10):])), out)
     print(f"wrote {out / ADAPTER} and the model it adapts ({out / model_file.name})")
     return 0
@@ -188,10 +190,10 @@ def _tokenized(rows: list[dict], tokenizer, max_length: int, config: dict) -> di
     ``max_length``), padded on the right; labels -100 where the loss does not score."""
     import numpy as np
 
-    decoder = config.get("model", {})
-    eos = decoder.get("eos_token_id")
+    section = config.get("model", {})
+    eos = section.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
-    pad = decoder.get("pad_token_id", eos if eos is not None else 0)
+    pad = section.get("pad_token_id", eos if eos is not None else 0)
     pad = pad[0] if isinstance(pad, list) else pad
     sequences = []
     for row in rows:
@@ -242,28 +244,24 @@ def _empty_past(proto, config: dict, rows: int) -> dict:
 # ------------------------------------------------------------------ the outputs
 
 
-def _write(out: Path, folder, model_file: Path, lora, values, merge, write_adapter) -> None:
+def _write(out: Path, folder, model_file: Path, lora, values, merge: bool) -> None:
     """OUT: the folder's other files (config, tokenizer), the transformed model, the adapter;
-    merged/ with ``merge``."""
+    with ``merge`` also merged/: the same files and the merged model."""
     from .. import files
-
-    from ..training.lora import lora_parameters
+    from ..training.lora import lora_parameters, merge_lora, write_adapter
 
     adapter = {n: values[n] for n in lora_parameters(lora)}
+    others = [] if folder is None else [f for f in sorted(folder.iterdir())
+                                        if f.is_file() and not f.name.startswith(model_file.name)]
     with files.output_directory(out, what="--output-dir"):
-        if folder is not None:
-            for f in sorted(folder.iterdir()):
-                if f.is_file() and not f.name.startswith(model_file.name):
-                    shutil.copyfile(f, out / f.name)
+        for directory in [out, out / "merged"] if merge else [out]:
+            directory.mkdir(exist_ok=True)
+            for f in others:
+                shutil.copyfile(f, directory / f.name)
         lora.save(out / model_file.name, external_data=_external(model_file))
         write_adapter(out / ADAPTER, adapter)
-        if merge is not None:
-            merged = out / "merged"
-            merged.mkdir(exist_ok=True)
-            for f in sorted(out.iterdir()):
-                if f.is_file() and not f.name.startswith(model_file.name) and f.name != ADAPTER:
-                    shutil.copyfile(f, merged / f.name)
-            merge(lora, adapter).save(merged / model_file.name, external_data=_external(model_file))
+        if merge:
+            merge_lora(lora, adapter).save(out / "merged" / model_file.name, external_data=_external(model_file))
 
 
 def _external(model_file: Path) -> bool:

@@ -73,8 +73,7 @@ class Emitter:
     def child(self, graph: ir.Graph) -> "Emitter":
         """An emitter for a subgraph (a control-flow body): names stay unique across scopes;
         constants are the subgraph's own."""
-        sub = Emitter(graph, self.opset, self.used_names)
-        sub.scope = self.scope
+        sub = Emitter(graph, self.opset, self.used_names, scope=self.scope)
         sub.outer = (self.graph, *self.outer)
         return sub
 

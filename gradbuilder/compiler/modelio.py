@@ -1,5 +1,6 @@
 """Reading models in: bytes, a path (external data beside it), a ModelProto, onnx-graphsurgeon's
-graph, a ``DetachedModel``; unknown dim names cleared; float Constants lifted to initializers
+graph, a ``DetachedModel``; unknown dim names cleared, and declared shapes a Constant's value
+contradicts dropped; float Constants lifted to initializers
 (``lift_constants``); the opset defaulted and normalized (``normalize``, which types every value
 through ``type_inference``); and a model loaded with its large weights apart
 (``load_detached``, giving the skeleton and the arrays a ``detached.DetachedModel`` writes
@@ -75,6 +76,7 @@ def load_proto(model, base_dir: str | os.PathLike | None = None, external: bool 
     if external:
         _load_external_data(proto, base_dir, origin)
     _unknown_declared_dims(proto.graph)
+    _drop_wrong_constant_shapes(proto.graph)
     return proto
 
 
@@ -109,6 +111,26 @@ def _unknown_dims_of(t: onnx.TypeProto) -> None:
         _unknown_dims_of(getattr(t, kind).elem_type)
     elif kind == "map_type":
         _unknown_dims_of(t.map_type.value_type)
+
+
+def _drop_wrong_constant_shapes(graph: onnx.GraphProto) -> None:
+    """Forget a declared shape of a Constant's output that its value contradicts (onnxruntime-
+    genai's builder declares its [1] constants as rank 0): the value is the shape, and the
+    wrong one would fail strict inference."""
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                 and n.output and any(a.name == "value" for a in n.attribute)}
+    wrong = set()
+    for v in graph.value_info:
+        node = constants.get(v.name)
+        if node is None or not v.type.tensor_type.HasField("shape"):
+            continue
+        value = next(a.t for a in node.attribute if a.name == "value")
+        if len(v.type.tensor_type.shape.dim) != len(value.dims):
+            wrong.add(v.name)
+    if wrong:
+        kept = [v for v in graph.value_info if v.name not in wrong]
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
 
 
 def float_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
@@ -291,32 +313,11 @@ def normalize(proto: onnx.ModelProto) -> onnx.ModelProto:
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
     _fill_default_axes(proto.graph)
-    drop_wrong_constant_shapes(proto.graph)
     try:
         infer_types(proto)
     except Exception as exc:
         raise InvalidModelError(f"the model does not type-check (onnx shape inference): {exc}") from exc
     return proto
-
-
-def drop_wrong_constant_shapes(graph: onnx.GraphProto) -> None:
-    """Forget a declared shape of a Constant's output that its value contradicts (onnxruntime-
-    genai's builder declares its [1] constants as rank 0): the value is the shape, and the
-    wrong one would fail strict inference."""
-    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
-                 and n.output and any(a.name == "value" for a in n.attribute)}
-    wrong = set()
-    for v in graph.value_info:
-        node = constants.get(v.name)
-        if node is None or not v.type.tensor_type.HasField("shape"):
-            continue
-        value = next(a.t for a in node.attribute if a.name == "value")
-        if len(v.type.tensor_type.shape.dim) != len(value.dims):
-            wrong.add(v.name)
-    if wrong:
-        kept = [v for v in graph.value_info if v.name not in wrong]
-        del graph.value_info[:]
-        graph.value_info.extend(kept)
 
 
 def _fill_default_axes(graph: onnx.GraphProto) -> None:

@@ -73,7 +73,7 @@ def add_lora(model, targets: str | Sequence[str], rank: int = 8, alpha: float = 
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
         raise InvalidArgumentError(f"alpha must be a number > 0, got {alpha!r}")
     proto, large = modelio.load_detached(model, base_dir)
-    if proto.metadata_props and any(p.key == METADATA_KEY for p in proto.metadata_props):
+    if any(p.key == METADATA_KEY for p in proto.metadata_props):
         raise InvalidArgumentError("the model has LoRA branches already (it was made by add_lora); start from the "
                                    "base model")
     branches = _branches(proto, names)
@@ -149,12 +149,12 @@ def merge_lora(model, values: Mapping[str, np.ndarray]) -> DetachedModel:
     if missing:
         raise InvalidArgumentError(f"values: no array for the LoRA inputs {missing[:4]}")
     inits = {t.name: t for t in proto.graph.initializer}
-    merged: dict[str, np.ndarray] = {}
+    merged: dict[str, tuple[np.ndarray, np.dtype]] = {}  # weight -> (its float64 sum, its dtype)
     for b in layout["branches"]:
-        w = merged.get(b["weight"])
-        if w is None:
-            w = large[b["weight"]] if b["weight"] in large else numpy_helper.to_array(inits[b["weight"]])
-            w = np.array(w, dtype=np.float64)
+        if b["weight"] not in merged:
+            base = large[b["weight"]] if b["weight"] in large else numpy_helper.to_array(inits[b["weight"]])
+            merged[b["weight"]] = (np.array(base, dtype=np.float64), base.dtype)
+        w = merged[b["weight"]][0]
         delta = (np.asarray(values[b["a"]], np.float64) @ np.asarray(values[b["b"]], np.float64)) * layout["scale"]
         node = nodes[b["node"]]
         trans_b = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
@@ -163,9 +163,7 @@ def merge_lora(model, values: Mapping[str, np.ndarray]) -> DetachedModel:
             w[cols, :] += delta.T
         else:
             w[:, cols] += delta
-        merged[b["weight"]] = w
-    for name, w in merged.items():
-        dtype = large[name].dtype if name in large else numpy_helper.to_array(inits[name]).dtype
+    for name, (w, dtype) in merged.items():
         if name in large:
             large[name] = w.astype(dtype)
         else:
@@ -294,6 +292,9 @@ def _by_node(branches: list[Branch]) -> dict[str, list[Branch]]:
 def _add_branches(proto: onnx.ModelProto, node_name: str, parts: list[Branch], rank: int, scale: float,
                   rng) -> None:
     """y -> y + sum over parts of Pad((x @ A) @ B * scale) into the part's columns."""
+    if modelio.default_opset(proto) < 18 and any(p.width != p.n for p in parts):
+        raise InvalidArgumentError(f"splitting the fused projection '{node_name}' needs ai.onnx opset 18 (Pad's axes "
+                                   f"input); the model has opset {modelio.default_opset(proto)}")
     graph = proto.graph
     index = next(i for i, n in enumerate(graph.node) if n.name == node_name)
     node = graph.node[index]
@@ -333,9 +334,6 @@ def _add_branches(proto: onnx.ModelProto, node_name: str, parts: list[Branch], r
         total = out
     for offset, n in enumerate(new):
         graph.node.insert(index + 1 + offset, n)
-    if modelio.default_opset(proto) < 18 and any(p.width != p.n for p in parts):
-        raise InvalidArgumentError(f"splitting the fused projection '{node_name}' needs ai.onnx opset 18 (Pad's axes "
-                                   f"input); the model has opset {modelio.default_opset(proto)}")
 
 
 def _float_type(graph: onnx.GraphProto, node: onnx.NodeProto) -> int:

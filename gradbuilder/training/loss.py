@@ -259,8 +259,10 @@ def _check_options(kind, output, target_name, loss_name, weight, ignore_index, p
             )
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
             raise InvalidArgumentError(f"ignore_index must be an integer, got {ignore_index!r}")
-    if weight is not None and kind in ("mse", "l1", "causal_lm"):
-        raise InvalidArgumentError(f"'{kind}' takes no weight")
+    if weight is not None and kind in ("mse", "l1"):
+        raise InvalidArgumentError(f"'{kind}' takes no weight (torch's F.{kind}_loss has none)")
+    if weight is not None and kind == "causal_lm":
+        raise InvalidArgumentError("'causal_lm' takes no weight (transformers' causal-LM loss has none)")
     if pos_weight is not None and kind != "bcewithlogits":
         raise InvalidArgumentError(f"pos_weight applies to bcewithlogits only, not to '{kind}'")
     label_smoothing = float(label_smoothing or 0.0)

@@ -40,8 +40,6 @@ from ..compiler.detached import DetachedModel
 FORMAT = "gradbuilder-web/1"
 NAMES = ("training_model.onnx", "eval_model.onnx", "inference_model.onnx", "inference_model.onnx.data",
          "state.safetensors", "manifest.json")
-# untrained initializers smaller than this stay in the inference model (onnx's size_threshold)
-INLINE_BYTES = 1024
 # the element types gradbuilder-train.mjs reads from safetensors and gives onnxruntime's Tensor
 JS_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 
@@ -154,7 +152,6 @@ def _inference(source: DetachedModel, keep: list[str], model_path, data_path, tr
 
     detached = inference_model(source, keep)
     model = detached.skeleton
-    modelio.drop_wrong_constant_shapes(model.graph)  # onnxruntime-genai's, as the training build does
     detached.check()
     compat.stamp_lowest_ir_version(model)
     data_name = "inference_model.onnx.data"
@@ -163,7 +160,7 @@ def _inference(source: DetachedModel, keep: list[str], model_path, data_path, tr
         for t in model.graph.initializer:
             value = detached.weights[t.name] if t.name in detached.weights else numpy_helper.to_array(t)
             raw = value.astype(value.dtype.newbyteorder("<")).tobytes()
-            if t.name not in trained and t.name not in detached.weights and len(raw) < INLINE_BYTES:
+            if t.name not in trained and t.name not in detached.weights and len(raw) < modelio.DETACH_BYTES:
                 continue  # in the model: onnxruntime reads shape operands (a Pad's pads) while it loads
             pad = (-offset) % 64  # aligned, as onnx's external-data writer aligns large tensors
             data.write(b"\0" * pad)
