@@ -266,7 +266,7 @@ _GRID = {
     "rank": [2, 3],
     "bias": [False, True],
     "scales_2d": [False, True],
-    "threads": [1, 2],
+    "threads": [1, 2, 16],
 }
 # onnxruntime's CPU kernel refuses 8 bits with float zero points
 _CASES = [c for c in pairwise(_GRID, whole=("bits", "zero_points")) if not (c[0] == 8 and c[1] == "float")]
